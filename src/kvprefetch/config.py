@@ -1,0 +1,155 @@
+"""One typed configuration for the store, from YAML, `KVPREFETCH_*` environment variables and CLI flags.
+
+Precedence (highest first): explicit overrides (CLI flags, connector extra config) > environment > YAML file >
+defaults. Every bad value fails at load time with a message naming the field, never later on the hot path.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+TierName = Literal["dram", "disk"]
+PositiveBytes = Annotated[ByteSize, Field(gt=0)]
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names each bad field and why."""
+
+
+def default_cache_dir() -> Path:
+    """The user's cache directory (XDG), where the disk tier lives unless told otherwise."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvprefetch"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DramConfig(_Section):
+    """Host DRAM tier: one shared-memory pool per name on a node, shared by every process that names it."""
+
+    capacity_bytes: PositiveBytes = ByteSize(2 << 30)
+    pool_name: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    hugepages: bool = Field(default=True, description="madvise(MADV_HUGEPAGE) on the pool where the kernel allows.")
+    max_processes: int = Field(default=64, ge=1, le=4096, description="Processes that may attach at once.")
+
+
+class DiskConfig(_Section):
+    """Local NVMe/disk tier: one file per chunk under `path`."""
+
+    path: Path = Field(default_factory=lambda: default_cache_dir() / "disk")
+    capacity_bytes: PositiveBytes = ByteSize(32 << 30)
+    direct_io: bool = Field(default=True, description="O_DIRECT where the file system allows it.")
+    fsync: bool = Field(default=True, description="fsync each chunk before acknowledging it as durable.")
+
+    @field_validator("path")
+    @classmethod
+    def _writable(cls, path: Path) -> Path:
+        path = path.expanduser()
+        probe = path
+        while not probe.exists():
+            if probe.parent == probe:
+                break
+            probe = probe.parent
+        if probe.exists() and not probe.is_dir():
+            raise ValueError(f"{probe} exists and is not a directory")
+        if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
+            raise ValueError(f"no write permission on {probe} (needed to create the disk tier at {path})")
+        return path
+
+
+class IOConfig(_Section):
+    """The I/O engine that moves every chunk between tiers."""
+
+    threads: int = Field(default=4, ge=1, le=256, description="Reads/writes in flight at once.")
+    read_rate_limit_bps: PositiveBytes | None = Field(
+        default=None, description="Cap on the disk tier's read rate (to emulate a slower storage regime)."
+    )
+
+
+class StoreConfig(BaseSettings):
+    """The whole store's configuration."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KVPREFETCH_", env_nested_delimiter="__", extra="forbid", validate_default=True
+    )
+
+    chunk_tokens: int = Field(default=256, ge=1, le=1 << 20, description="Tokens per chunk (the unit of caching).")
+    tiers: list[TierName] = Field(default_factory=lambda: ["dram", "disk"])
+    prefetch: bool = Field(default=True, description="Start moving a request's hits up on arrival.")
+    dram: DramConfig = Field(default_factory=DramConfig)
+    disk: DiskConfig = Field(default_factory=DiskConfig)
+    io: IOConfig = Field(default_factory=IOConfig)
+
+    @model_validator(mode="after")
+    def _dram_first(self) -> StoreConfig:
+        if "dram" not in self.tiers:
+            raise ValueError("tiers must include 'dram': every load and save passes through the DRAM pool")
+        if len(set(self.tiers)) != len(self.tiers):
+            raise ValueError(f"tiers lists a tier twice: {self.tiers}")
+        return self
+
+    @property
+    def disk_enabled(self) -> bool:
+        return "disk" in self.tiers
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None, **overrides: Any) -> StoreConfig:
+        """Build from an optional YAML file, the environment and overrides; raise ConfigError if invalid."""
+        data: dict[str, Any] = {}
+        if path is not None:
+            data = _read_yaml(Path(path))
+        _deep_update(data, overrides)
+        try:
+            return cls(**data)
+        except ValidationError as err:
+            raise ConfigError(_explain(err, source=str(path) if path else None)) from None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StoreConfig:
+        """Build from a plain dict (e.g. vLLM's kv_connector_extra_config); `config_path` names a YAML base."""
+        data = dict(data)
+        path = data.pop("config_path", None)
+        return cls.load(path, **data)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def _deep_update(base: dict[str, Any], extra: dict[str, Any]) -> None:
+    for key, value in extra.items():
+        if value is None:
+            continue
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_update(base[key], value)
+        else:
+            base[key] = value
+
+
+def _explain(err: ValidationError, source: str | None) -> str:
+    where = f" in {source}" if source else ""
+    lines = [f"invalid kvprefetch configuration{where}:"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        got = e.get("input")
+        shown = "" if isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"  {field}: {e['msg']}{shown}")
+    return "\n".join(lines)

@@ -1,0 +1,201 @@
+"""One queue, three priority classes: demand loads > prefetches > write-backs.
+
+Every move between tiers is an op submitted here. Worker threads always take the most urgent op, so a
+request that waits now is never stuck behind speculative prefetch or write-back traffic. Reads are
+deduplicated by (tier, key): a demand load for a chunk already being prefetched joins that read (and lifts it
+to demand priority if it has not started), so a chunk is never read twice. A prefetch can be cancelled (or
+given a deadline) as long as it has not started and nobody else waits on it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
+from enum import IntEnum
+from typing import Any
+
+from kvprefetch.io.stats import IOStats
+from kvprefetch.io.throttle import RateLimiter
+
+
+class IOClass(IntEnum):
+    DEMAND = 0
+    PREFETCH = 1
+    WRITEBACK = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class _Op:
+    __slots__ = ("cls", "deadline", "dedup", "fn", "future", "holders", "nbytes", "started", "tier")
+
+    def __init__(self, tier: str, cls: IOClass, fn: Callable[[], Any], nbytes: int, dedup, deadline):
+        self.tier, self.cls, self.fn, self.nbytes, self.dedup, self.deadline = tier, cls, fn, nbytes, dedup, deadline
+        self.future: Future = Future()
+        self.holders = 0
+        self.started = False
+
+
+class IOTicket:
+    """A caller's handle on an op (several tickets may share one deduplicated op)."""
+
+    def __init__(self, engine: IOEngine, op: _Op):
+        self._engine, self._op, self._released = engine, op, False
+
+    @property
+    def future(self) -> Future:
+        return self._op.future
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self._op.future.result(timeout)
+
+    def done(self) -> bool:
+        return self._op.future.done()
+
+    def cancel(self) -> bool:
+        """Withdraw this caller's interest; the op is dropped if it has not started and no one else waits."""
+        if self._released:
+            return False
+        self._released = True
+        return self._engine._release(self._op)
+
+
+class IOEngine:
+    """Priority thread pool for tier I/O, with read deduplication, cancellation, throttles and stats."""
+
+    def __init__(self, threads: int = 4, name: str = "kvprefetch-io"):
+        self.stats = IOStats()
+        self._limits: dict[str, RateLimiter] = {}
+        self._cv = threading.Condition()
+        self._heap: list[tuple[int, int, _Op]] = []
+        self._seq = itertools.count()
+        self._inflight: dict[Any, _Op] = {}
+        self._closed = False
+        self._threads = [threading.Thread(target=self._worker, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def set_rate_limit(self, tier: str, bytes_per_s: float | None) -> None:
+        """Cap the read bandwidth of a tier (None removes the cap)."""
+        if bytes_per_s is None:
+            self._limits.pop(tier, None)
+        else:
+            self._limits[tier] = RateLimiter(bytes_per_s)
+
+    def submit(
+        self,
+        tier: str,
+        cls: IOClass,
+        fn: Callable[[], Any],
+        nbytes: int = 0,
+        dedup: Any = None,
+        deadline: float | None = None,
+    ) -> IOTicket:
+        """Queue fn; with a dedup key, join an op already queued or running for the same key."""
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("I/O engine is closed")
+            if dedup is not None and (op := self._inflight.get(dedup)) is not None:
+                op.holders += 1
+                if cls < op.cls and not op.started:
+                    self.stats.queued(op.tier, op.cls.label, -1)
+                    self.stats.queued(op.tier, cls.label, +1)
+                    op.cls = cls
+                    op.deadline = None
+                    heapq.heappush(self._heap, (int(cls), next(self._seq), op))
+                    self._cv.notify()
+                return IOTicket(self, op)
+            op = _Op(tier, cls, fn, nbytes, dedup, deadline)
+            op.holders = 1
+            if dedup is not None:
+                self._inflight[dedup] = op
+            heapq.heappush(self._heap, (int(cls), next(self._seq), op))
+            self.stats.queued(tier, cls.label, +1)
+            self._cv.notify()
+            return IOTicket(self, op)
+
+    def _release(self, op: _Op) -> bool:
+        with self._cv:
+            op.holders -= 1
+            if op.holders > 0 or op.started or op.future.done():
+                return False
+            self._drop(op, "cancelled")
+            return True
+
+    def _drop(self, op: _Op, reason: str) -> None:
+        """Remove a not-started op (lazy deletion from the heap). Caller holds the lock."""
+        op.started = True  # any stale heap entries are skipped
+        if op.dedup is not None and self._inflight.get(op.dedup) is op:
+            del self._inflight[op.dedup]
+        self.stats.dropped(op.tier, op.cls.label, reason)
+        op.future.cancel()
+        op.future.set_running_or_notify_cancel()
+
+    def _next(self) -> _Op | None:
+        with self._cv:
+            while True:
+                while self._heap:
+                    cls, _, op = heapq.heappop(self._heap)
+                    if op.started or cls != op.cls:
+                        continue  # stale entry: re-prioritised, cancelled or already taken
+                    if op.deadline is not None and time.monotonic() > op.deadline:
+                        self._drop(op, "expired")
+                        continue
+                    op.started = True
+                    self.stats.started(op.tier, op.cls.label)
+                    return op
+                if self._closed:
+                    return None
+                self._cv.wait()
+
+    def _worker(self) -> None:
+        while (op := self._next()) is not None:
+            if not op.future.set_running_or_notify_cancel():
+                continue
+            t0 = time.monotonic()
+            limit = self._limits.get(op.tier) if op.cls != IOClass.WRITEBACK else None
+            done_at = limit.reserve(op.nbytes) if limit is not None else None
+            try:
+                result = op.fn()
+            except BaseException as err:  # delivered to every waiter through the future
+                self._finish(op, t0, ok=False)
+                op.future.set_exception(err)
+            else:
+                if done_at is not None:
+                    limit.wait_until(done_at)
+                self._finish(op, t0, ok=True)
+                op.future.set_result(result)
+
+    def _finish(self, op: _Op, t0: float, ok: bool) -> None:
+        with self._cv:
+            if op.dedup is not None and self._inflight.get(op.dedup) is op:
+                del self._inflight[op.dedup]
+        self.stats.finished(op.tier, op.cls.label, op.nbytes, time.monotonic() - t0, ok)
+
+    def pending(self, tier: str | None = None) -> int:
+        """Ops queued or running (for one tier or all)."""
+        if tier is not None:
+            return self.stats.queue_depth(tier)
+        with self._cv:
+            return sum(1 for _, _, op in self._heap if not op.started) + len(self._inflight)
+
+    def close(self, wait: bool = True) -> None:
+        """Stop accepting ops; run what is queued (wait=True) or cancel it."""
+        with self._cv:
+            self._closed = True
+            if not wait:
+                for _, _, op in self._heap:
+                    if not op.started:
+                        self._drop(op, "cancelled")
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()
+
+
+__all__ = ["CancelledError", "IOClass", "IOEngine", "IOTicket"]

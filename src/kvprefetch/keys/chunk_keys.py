@@ -1,0 +1,45 @@
+"""Chained prefix keys: key_i = H(key_{i-1}, tokens of chunk i).
+
+Equal keys mean an equal whole prefix (not just an equal chunk), which is what makes a chunk's KV reusable:
+attention KV depends on every token before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import blake3
+import numpy as np
+
+from kvprefetch.keys.namespace import KVNamespace
+
+KEY_BYTES = 32
+
+
+class ChunkKeyer:
+    """Turns token ids into the keys of their whole chunks."""
+
+    def __init__(self, namespace: KVNamespace, chunk_tokens: int = 256):
+        if chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        self.namespace = namespace
+        self.chunk_tokens = chunk_tokens
+        self._root = blake3.blake3(namespace.digest + chunk_tokens.to_bytes(4, "little")).digest()
+
+    def num_chunks(self, num_tokens: int) -> int:
+        """Whole chunks in a prompt of num_tokens (a trailing partial chunk has no key)."""
+        return num_tokens // self.chunk_tokens
+
+    def keys(self, token_ids: Sequence[int] | np.ndarray, max_chunks: int | None = None) -> list[bytes]:
+        """Keys of the leading whole chunks of token_ids."""
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        n = self.num_chunks(len(tokens))
+        if max_chunks is not None:
+            n = min(n, max_chunks)
+        keys: list[bytes] = []
+        parent = self._root
+        for i in range(n):
+            chunk = tokens[i * self.chunk_tokens : (i + 1) * self.chunk_tokens]
+            parent = blake3.blake3(parent + chunk.astype("<i8").tobytes()).digest()
+            keys.append(parent)
+        return keys

@@ -1,0 +1,40 @@
+"""Namespace of a KV cache: everything that changes the bytes of a chunk's KV.
+
+Two namespaces that differ in any field produce disjoint key spaces, so two models, two KV layouts or two
+tenants can never read each other's KV even when they share a tier.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+
+import blake3
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class KVNamespace(BaseModel):
+    """Identity of a KV layout; its digest seeds every chunk key."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model: str = Field(min_length=1, description="Model identity: name/path plus revision or weights hash.")
+    num_layers: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1, description="KV heads held by this rank.")
+    head_dim: int = Field(ge=1)
+    dtype: str = Field(min_length=1, description="KV cache dtype, e.g. 'bfloat16', 'float32', 'fp8_e4m3'.")
+    tp_rank: int = Field(default=0, ge=0)
+    tp_size: int = Field(default=1, ge=1)
+    layout: str = Field(default="kv", description="Byte order of a chunk inside the payload (format tag).")
+    tenant: str | None = Field(default=None, description="Optional salt isolating tenants that share a cache.")
+
+    @cached_property
+    def digest(self) -> bytes:
+        """32-byte blake3 digest of the canonical JSON of every field."""
+        canonical = json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
+        return blake3.blake3(b"kvprefetch-ns-v1\0" + canonical.encode()).digest()
+
+    @property
+    def short_id(self) -> str:
+        """Hex prefix used to name the namespace's directory on disk."""
+        return self.digest[:8].hex()

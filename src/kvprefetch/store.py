@@ -1,0 +1,366 @@
+"""The tiered store: the API the engine connectors use.
+
+    lookup(keys)            -> which leading chunks are cached, and in which tier
+    prefetch(keys, to=DRAM) -> start moving hits up now (async, cancellable, optional deadline)
+    get_into(keys, buffers) -> copy the leading hits into caller memory (demand priority)
+    put(keys, buffers)      -> store new chunks in DRAM now, write them back to disk asynchronously
+    pin / unpin / stats / close
+
+DRAM is the hub: a chunk read from disk lands in a DRAM slot (promotion) and is copied from there, and a
+new chunk is written to DRAM and written back from its slot. Failures never propagate as errors to a
+request: a chunk that cannot be read is a miss, and `get_into` reports how many leading chunks it loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+
+from kvprefetch.config import StoreConfig
+from kvprefetch.io.engine import IOClass, IOEngine, IOTicket
+from kvprefetch.tiers.chunk_format import HEADER_BYTES, CorruptChunk, image_bytes, write_header
+from kvprefetch.tiers.disk import ChunkMissing, DiskTier, aligned_buffer
+from kvprefetch.tiers.dram import SharedChunkPool
+
+log = logging.getLogger(__name__)
+
+
+class Tier(StrEnum):
+    DRAM = "dram"
+    DISK = "disk"
+
+
+@dataclass
+class LookupResult:
+    """The longest cached prefix: tiers[i] holds chunk i, for i < num_hit_chunks."""
+
+    tiers: list[Tier]
+
+    @property
+    def num_hit_chunks(self) -> int:
+        return len(self.tiers)
+
+    def count(self, tier: Tier) -> int:
+        return sum(1 for t in self.tiers if t is tier)
+
+
+@dataclass
+class PrefetchHandle:
+    """Tickets of one prefetch; keys already in the target tier need no ticket."""
+
+    keys: list[bytes]
+    tickets: dict[bytes, IOTicket] = field(default_factory=dict)
+
+    def done(self) -> bool:
+        return all(t.done() for t in self.tickets.values())
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for ticket in self.tickets.values():
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                ticket.result(remaining)
+            except TimeoutError:
+                return False
+            except Exception:  # a failed prefetch is a future miss, not an error here
+                pass
+        return True
+
+    def cancel(self) -> int:
+        return sum(1 for t in self.tickets.values() if t.cancel())
+
+
+def as_bytes_view(buffer) -> memoryview:
+    """A writable flat byte view of a buffer (numpy array, bytearray, memoryview, CPU torch tensor)."""
+    if hasattr(buffer, "numpy") and not isinstance(buffer, np.ndarray):  # torch.Tensor on CPU
+        buffer = buffer.numpy()
+    view = memoryview(buffer)
+    if not view.c_contiguous:
+        raise ValueError("buffer must be C-contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class TieredStore:
+    """DRAM (shared memory) over disk, moved by one prioritized I/O engine."""
+
+    def __init__(self, config: StoreConfig, chunk_bytes: int):
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self.config = config
+        self.chunk_bytes = chunk_bytes
+        self.image_bytes = image_bytes(chunk_bytes)
+        self.dram = SharedChunkPool(
+            config.dram.pool_name,
+            slot_bytes=self.image_bytes,
+            capacity_bytes=int(config.dram.capacity_bytes),
+            max_procs=config.dram.max_processes,
+            hugepages=config.dram.hugepages,
+        )
+        self.disk: DiskTier | None = None
+        if config.disk_enabled:
+            d = config.disk
+            self.disk = DiskTier(d.path, int(d.capacity_bytes), direct_io=d.direct_io, fsync=d.fsync)
+        self.io = IOEngine(threads=config.io.threads)
+        if config.io.read_rate_limit_bps:
+            self.io.set_rate_limit(Tier.DISK.value, int(config.io.read_rate_limit_bps))
+        self.counters = {
+            "dram_hits": 0,
+            "disk_hits": 0,
+            "misses": 0,
+            "load_errors": 0,
+            "promoted": 0,
+            "dram_full": 0,
+            "put_chunks": 0,
+            "put_skipped_present": 0,
+            "writeback_errors": 0,
+        }
+        self._warned: set[str] = set()
+
+    # ---- lookup ------------------------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        """Longest prefix of keys present in some tier, and the fastest tier holding each."""
+        in_dram = self.dram.contains_many(list(keys))
+        tiers: list[Tier] = []
+        for key, hot in zip(keys, in_dram, strict=True):
+            if hot:
+                tiers.append(Tier.DRAM)
+            elif self.disk is not None and self.disk.contains(key):
+                tiers.append(Tier.DISK)
+            else:
+                break
+        return LookupResult(tiers)
+
+    # ---- promotion ---------------------------------------------------------------------------------------
+    def _promote(self, key: bytes) -> bool:
+        """Read key from disk into a DRAM slot. True when it is in DRAM afterwards."""
+        assert self.disk is not None
+        slot = self.dram.allocate(key, self.chunk_bytes)
+        if slot is None:
+            if self.dram.contains(key):
+                return True  # another process promoted it meanwhile
+            self.counters["dram_full"] += 1
+            return False
+        try:
+            self.disk.read_into(key, self.dram.image(slot))
+        except BaseException:
+            self.dram.abort(slot)
+            raise
+        self.dram.commit(slot)
+        self.counters["promoted"] += 1
+        return True
+
+    def _submit_promote(self, key: bytes, cls: IOClass, deadline: float | None = None) -> IOTicket:
+        return self.io.submit(
+            Tier.DISK.value,
+            cls,
+            lambda: self._promote(key),
+            nbytes=self.image_bytes,
+            dedup=("promote", key),
+            deadline=deadline,
+        )
+
+    def prefetch(self, keys: Sequence[bytes], to: Tier = Tier.DRAM, deadline: float | None = None) -> PrefetchHandle:
+        """Start moving keys' disk hits into DRAM in order; deadline (monotonic s) drops reads not started by then."""
+        if to is not Tier.DRAM:
+            raise ValueError(f"prefetch target must be {Tier.DRAM.value}, got {to}")
+        handle = PrefetchHandle(list(keys))
+        if self.disk is None:
+            return handle
+        for key, hot in zip(keys, self.dram.contains_many(list(keys)), strict=True):
+            if hot:
+                continue
+            if not self.disk.contains(key):
+                break
+            handle.tickets[key] = self._submit_promote(key, IOClass.PREFETCH, deadline)
+        return handle
+
+    # ---- reads into caller memory ------------------------------------------------------------------------
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence, cls: IOClass = IOClass.DEMAND) -> int:
+        """Copy the leading cached chunks into buffers; return how many were loaded (stops at the first miss)."""
+        if len(buffers) < len(keys):
+            raise ValueError(f"{len(keys)} keys but only {len(buffers)} buffers")
+        pending: dict[bytes, IOTicket] = {}
+        if self.disk is not None:  # start every disk read at once so they run in parallel
+            for key, hot in zip(keys, self.dram.contains_many(list(keys)), strict=True):
+                if not hot and self.disk.contains(key):
+                    pending[key] = self._submit_promote(key, cls)
+        loaded = 0
+        try:
+            for key, buffer in zip(keys, buffers, strict=False):
+                if not self._load_one(key, as_bytes_view(buffer), pending.pop(key, None)):
+                    break
+                loaded += 1
+        finally:
+            for ticket in pending.values():
+                ticket.cancel()
+        return loaded
+
+    def _load_one(self, key: bytes, dst: memoryview, ticket: IOTicket | None) -> bool:
+        if ticket is not None:
+            try:
+                in_dram = ticket.result()
+            except (ChunkMissing, CorruptChunk, OSError) as err:
+                self._load_failed(key, err)
+                return False
+            if not in_dram:  # DRAM is full of pinned chunks: read straight into a bounce buffer
+                return self._load_direct(key, dst)
+            tier = Tier.DISK
+        else:
+            tier = Tier.DRAM
+        slot = self.dram.acquire(key)
+        if slot is None:
+            if tier is Tier.DRAM and self.disk is not None and self.disk.contains(key):
+                return self._load_direct(key, dst)  # evicted between lookup and load
+            self.counters["misses"] += 1
+            return False
+        try:
+            payload = self.dram.payload(slot)
+            if len(payload) != len(dst):
+                self._load_failed(key, CorruptChunk(f"chunk of {len(payload)} B into a {len(dst)} B buffer"))
+                return False
+            dst[:] = payload
+        finally:
+            self.dram.release(slot)
+        self.counters["dram_hits" if tier is Tier.DRAM else "disk_hits"] += 1
+        return True
+
+    def _load_direct(self, key: bytes, dst: memoryview) -> bool:
+        assert self.disk is not None
+        try:
+            image, nbytes = self.disk.read_bounce(key, self.chunk_bytes)
+        except (ChunkMissing, CorruptChunk, OSError) as err:
+            self._load_failed(key, err)
+            return False
+        dst[:] = image[HEADER_BYTES : HEADER_BYTES + nbytes]
+        self.counters["disk_hits"] += 1
+        return True
+
+    def _load_failed(self, key: bytes, err: BaseException) -> None:
+        self.counters["load_errors"] += 1
+        cause = type(err).__name__
+        if cause not in self._warned:
+            self._warned.add(cause)
+            log.warning(
+                "kvprefetch: chunk load failed (%s: %s); treating it as a miss (logged once per cause)", cause, err
+            )
+
+    # ---- writes ------------------------------------------------------------------------------------------
+    def put(self, keys: Sequence[bytes], buffers: Sequence) -> Future:
+        """Store chunks in DRAM now and write them back to disk asynchronously.
+
+        The returned future resolves (to the number of chunks written to disk) once every chunk is durable;
+        its exception is the first write-back error, e.g. DiskFullError, while DRAM keeps serving the chunks.
+        """
+        done: Future = Future()
+        tickets: list[IOTicket] = []
+        for key, buffer in zip(keys, buffers, strict=True):
+            src = as_bytes_view(buffer)
+            if len(src) != self.chunk_bytes:
+                raise ValueError(f"chunk buffer holds {len(src)} B, the store's chunks are {self.chunk_bytes} B")
+            slot = self.dram.allocate(key, len(src))
+            if slot is not None:
+                image = self.dram.image(slot)
+                image[HEADER_BYTES : HEADER_BYTES + len(src)] = src
+                write_header(image, key, len(src))
+                if self.disk is not None:
+                    self.dram.pin_slot(slot)  # held until written back, so eviction cannot lose it
+                self.dram.commit(slot)
+            elif self.dram.contains(key):
+                self.counters["put_skipped_present"] += 1
+                continue
+            else:  # every DRAM slot is pinned: go straight to disk from a private copy
+                self.counters["dram_full"] += 1
+                if self.disk is None:
+                    continue
+                image = aligned_buffer(self.image_bytes)
+                image[HEADER_BYTES : HEADER_BYTES + len(src)] = src
+                write_header(image, key, len(src))
+            self.counters["put_chunks"] += 1
+            if self.disk is not None:
+                tickets.append(self._submit_writeback(key, image, slot))
+        _gather(tickets, done)
+        return done
+
+    def _submit_writeback(self, key: bytes, image: memoryview, slot: int | None) -> IOTicket:
+        assert self.disk is not None
+        disk = self.disk
+
+        def write() -> bool:
+            try:
+                if disk.contains(key):
+                    return False
+                disk.write(key, image)
+                return True
+            except OSError:
+                self.counters["writeback_errors"] += 1
+                raise
+            finally:
+                if slot is not None:
+                    self.dram.release(slot)
+
+        return self.io.submit(Tier.DISK.value, IOClass.WRITEBACK, write, nbytes=self.image_bytes, dedup=("write", key))
+
+    # ---- pins, stats, lifecycle --------------------------------------------------------------------------
+    def pin(self, keys: Sequence[bytes]) -> list[bool]:
+        """Pin keys in DRAM (e.g. while a load into the engine is pending); False where not in DRAM."""
+        return [self.dram.acquire(k) is not None for k in keys]
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self.dram.unpin(key)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write-back has finished."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.io.pending(Tier.DISK.value):
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        return True
+
+    def stats(self) -> dict:
+        return {
+            "chunk_bytes": self.chunk_bytes,
+            "store": dict(self.counters),
+            "dram": self.dram.stats(),
+            "disk": self.disk.stats() if self.disk else None,
+            "io": self.io.stats.snapshot(),
+        }
+
+    def close(self) -> None:
+        self.io.close(wait=True)
+        self.dram.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _gather(tickets: list[IOTicket], done: Future) -> None:
+    """Resolve done when all tickets have, with the count of True results or the first error."""
+    if not tickets:
+        done.set_result(0)
+        return
+    remaining = [len(tickets)]
+    results: list = []
+
+    def on_done(fut: Future) -> None:
+        results.append(fut)
+        remaining[0] -= 1
+        if remaining[0] == 0:
+            errors = [f.exception() for f in results if not f.cancelled() and f.exception() is not None]
+            if errors:
+                done.set_exception(errors[0])
+            else:
+                done.set_result(sum(1 for f in results if not f.cancelled() and f.result()))
+
+    for ticket in tickets:
+        ticket.future.add_done_callback(on_done)

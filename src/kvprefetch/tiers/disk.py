@@ -1,0 +1,279 @@
+"""Local NVMe/disk tier: one file per chunk, written atomically, verified on every read.
+
+Why one file per chunk: a chunk is large (hundreds of KiB to tens of MiB), so per-file overhead is small
+(see `kvprefetch iobench`), and the file system gives us for free what segment files would need a log for:
+an atomic commit (write a temp file, fsync, rename), eviction by unlink, safe sharing between processes,
+and an index rebuilt on restart by listing the directory. A crash can leave only a temp file, which recovery
+removes; a committed file carries its key and checksums, so a torn, truncated, flipped or foreign file reads
+as a miss and is removed, never returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import re
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from kvprefetch.tiers.chunk_format import ALIGN, HEADER_BYTES, CorruptChunk, image_bytes, verify_image
+
+log = logging.getLogger(__name__)
+
+_CHUNK_NAME = re.compile(r"^[0-9a-f]{64}\.kv$")
+_TEMP_NAME = re.compile(r"^\.([0-9a-f]{64})\.(\d+)\.(\d+)\.tmp$")
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+class DiskFullError(OSError):
+    """The disk tier could not write a chunk for lack of space; nothing partial was left behind."""
+
+
+class ChunkMissing(KeyError):
+    """The chunk is not (or no longer) on disk."""
+
+
+def aligned_buffer(nbytes: int) -> memoryview:
+    """Page-aligned anonymous memory, as O_DIRECT needs."""
+    return memoryview(mmap.mmap(-1, max(ALIGN, nbytes)))[:nbytes]
+
+
+class DiskTier:
+    """Chunks as files under root/<first byte>/<key>.kv, with an LRU index and a byte capacity."""
+
+    def __init__(self, root: str | os.PathLike, capacity_bytes: int, direct_io: bool = True, fsync: bool = True):
+        self.root = Path(root)
+        self.capacity_bytes = int(capacity_bytes)
+        self.direct_io = direct_io and hasattr(os, "O_DIRECT")
+        self.fsync = fsync
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, LRU first
+        self.used_bytes = 0
+        self.counters = {"corrupt": 0, "foreign": 0, "temp_removed": 0, "evicted": 0, "write_errors": 0}
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".probe.{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            raise OSError(err.errno, f"disk tier directory {self.root} is not usable: {err.strerror}") from None
+        self.recover()
+
+    # ---- paths -------------------------------------------------------------------------------------------
+    def path_of(self, key: bytes) -> Path:
+        hexkey = key.hex()
+        return self.root / hexkey[:2] / f"{hexkey}.kv"
+
+    # ---- recovery ----------------------------------------------------------------------------------------
+    def recover(self) -> int:
+        """Rebuild the index from the directory; remove temp files of dead writers and damaged files."""
+        found: list[tuple[float, bytes, int]] = []
+        for sub in self.root.iterdir():
+            if not sub.is_dir() or len(sub.name) != 2:
+                if not sub.name.startswith("."):
+                    self._foreign(sub)
+                continue
+            for entry in os.scandir(sub):
+                name = entry.name
+                if _CHUNK_NAME.match(name):
+                    st = entry.stat()
+                    if st.st_size < HEADER_BYTES or st.st_size % ALIGN:
+                        self._remove(Path(entry.path), "corrupt", f"size {st.st_size} is not a chunk image")
+                        continue
+                    found.append((st.st_mtime, bytes.fromhex(name[:64]), st.st_size))
+                elif (m := _TEMP_NAME.match(name)) is not None:
+                    if not _writer_alive(int(m.group(2))):
+                        self._remove(Path(entry.path), "temp_removed", "left by a writer that died")
+                else:
+                    self._foreign(Path(entry.path))
+        found.sort()
+        with self._lock:
+            self._index.clear()
+            self.used_bytes = 0
+            for _, key, size in found:
+                self._index[key] = size
+                self.used_bytes += size
+        if found:
+            log.info("disk tier %s: recovered %d chunks (%.1f MiB)", self.root, len(found), self.used_bytes / 2**20)
+        self._evict_to(self.capacity_bytes)
+        return len(found)
+
+    def _foreign(self, path: Path) -> None:
+        self.counters["foreign"] += 1
+        log.warning("disk tier %s: ignoring foreign file %s (not a chunk name)", self.root, path)
+
+    def _remove(self, path: Path, counter: str, why: str) -> None:
+        self.counters[counter] += 1
+        log.warning("disk tier: removing %s: %s", path, why)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+    # ---- index -------------------------------------------------------------------------------------------
+    def contains(self, key: bytes) -> bool:
+        """Whether key is on disk, including chunks another process wrote since we listed the directory."""
+        with self._lock:
+            if key in self._index:
+                return True
+        try:
+            size = self.path_of(key).stat().st_size
+        except FileNotFoundError:
+            return False
+        with self._lock:
+            if key not in self._index:
+                self._index[key] = size
+                self.used_bytes += size
+        return True
+
+    def _touch(self, key: bytes) -> None:
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+
+    def _forget(self, key: bytes) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self.used_bytes -= size
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    # ---- reads -------------------------------------------------------------------------------------------
+    def read_into(self, key: bytes, image: memoryview, verify: bool = True) -> int:
+        """Read key's whole image into `image` (4 KiB aligned for O_DIRECT) and verify it; return payload size.
+
+        Raises ChunkMissing for a missing file and CorruptChunk (after removing the file) for a bad one.
+        """
+        path = self.path_of(key)
+        try:
+            fd = self._open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self._forget(key)
+            raise ChunkMissing(key.hex()) from None
+        try:
+            size = os.fstat(fd).st_size
+            if size > len(image):
+                raise CorruptChunk(f"file of {size} B larger than the {len(image)} B buffer")
+            got = self._read_full(fd, image[:size])
+            if got != size:
+                raise CorruptChunk(f"short read: {got} of {size} bytes")
+            header = verify_image(image[:size], key, verify_payload=verify)
+        except CorruptChunk as err:
+            self._forget(key)
+            self._remove(path, "corrupt", str(err))
+            raise
+        finally:
+            os.close(fd)
+        self._touch(key)
+        return header.payload_nbytes
+
+    def _read_full(self, fd: int, dst: memoryview) -> int:
+        done = 0
+        while done < len(dst):
+            n = os.preadv(fd, [dst[done:]], done)
+            if n == 0:
+                break
+            done += n
+        return done
+
+    def read_bounce(self, key: bytes, nbytes_hint: int) -> tuple[memoryview, int]:
+        """Read into a fresh aligned buffer (for callers with no DRAM slot); return (image, payload size)."""
+        buf = aligned_buffer(image_bytes(nbytes_hint))
+        return buf, self.read_into(key, buf)
+
+    def _open(self, path: Path, flags: int) -> int:
+        if self.direct_io:
+            try:
+                return os.open(path, flags | os.O_DIRECT)
+            except OSError as err:
+                if err.errno != errno.EINVAL:
+                    raise
+                log.info("disk tier %s: O_DIRECT not supported here, using buffered I/O", self.root)
+                self.direct_io = False
+        return os.open(path, flags)
+
+    # ---- writes ------------------------------------------------------------------------------------------
+    def write(self, key: bytes, image: memoryview) -> None:
+        """Write a verified chunk image durably (temp file, fsync, rename, fsync dir); atomic on crash."""
+        size = len(image)
+        if size > self.capacity_bytes:
+            raise DiskFullError(errno.ENOSPC, f"chunk of {size} B exceeds the disk tier capacity")
+        self._evict_to(self.capacity_bytes - size)
+        final = self.path_of(key)
+        final.parent.mkdir(exist_ok=True)
+        temp = final.parent / f".{key.hex()}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            fd = self._open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            try:
+                done = 0
+                while done < size:
+                    done += os.pwritev(fd, [image[done:]], done)
+                if self.fsync:
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            os.rename(temp, final)
+            if self.fsync:
+                _fsync_dir(final.parent)
+        except OSError as err:
+            self.counters["write_errors"] += 1
+            with contextlib.suppress(FileNotFoundError):
+                temp.unlink()
+            if err.errno in _NO_SPACE:
+                raise DiskFullError(err.errno, f"disk tier {self.root} is full: {err.strerror}") from None
+            raise
+        with self._lock:
+            old = self._index.pop(key, 0)
+            self._index[key] = size
+            self.used_bytes += size - old
+
+    # ---- eviction ----------------------------------------------------------------------------------------
+    def _evict_to(self, limit: int) -> None:
+        while True:
+            with self._lock:
+                if self.used_bytes <= limit or not self._index:
+                    return
+                key, size = self._index.popitem(last=False)
+                self.used_bytes -= size
+            with contextlib.suppress(FileNotFoundError):
+                self.path_of(key).unlink()
+            self.counters["evicted"] += 1
+
+    def delete(self, key: bytes) -> None:
+        self._forget(key)
+        with contextlib.suppress(FileNotFoundError):
+            self.path_of(key).unlink()
+
+    def stats(self) -> dict:
+        return {
+            "root": str(self.root),
+            "chunks": len(self._index),
+            "bytes_used": self.used_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "direct_io": self.direct_io,
+            **self.counters,
+        }
+
+
+def _writer_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

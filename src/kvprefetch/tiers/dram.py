@@ -1,0 +1,350 @@
+"""Host DRAM tier: a fixed pool of chunk slots in one shared-memory file, shared by every process on the node.
+
+The pool is allocated once (no per-chunk malloc on the hot path) and every process that opens the same name
+maps the same pages: the vLLM scheduler prefetches into it, the workers copy out of it, and several engine
+instances share it, with one copy of each chunk per node. All bookkeeping lives in the shared file itself:
+
+    [superblock][slot table][pin matrix: process x slot][process table][... 2 MiB aligned ...][slot images]
+
+A slot is FREE, WRITING (allocated, pinned by its writer) or READY (a whole, verified chunk image). Mutations
+take a process-wide lock plus flock on the file, so threads and processes serialise on the same order.
+Pins are counted per process row, so a process that dies is unpinned by the next one that notices
+(`reap_dead`), and LRU eviction never takes a slot that any live process pins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import struct
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvprefetch.tiers.chunk_format import ALIGN, HEADER_BYTES, align_up
+
+POOL_MAGIC = b"KVPFPOOL"
+POOL_VERSION = 1
+SHM_DIR = Path(os.environ.get("KVPREFETCH_SHM_DIR", "/dev/shm"))
+DATA_ALIGN = 2 << 20  # so slot images can sit on huge pages
+
+FREE, WRITING, READY = 0, 1, 2
+_SUPER = struct.Struct("<8sIIQQQQ")  # magic, version, max_procs, slot_bytes, n_slots, data_offset, tick
+_TICK_OFFSET = 8 + 4 + 4 + 8 + 8 + 8
+SLOT_DTYPE = np.dtype(
+    [("key0", "<u8"), ("key", "V32"), ("state", "<u4"), ("_pad", "<u4"), ("nbytes", "<u8"), ("tick", "<u8")],
+    align=False,
+)
+assert SLOT_DTYPE.itemsize == 64
+
+
+class PoolGeometryError(ValueError):
+    """A pool of this name exists with another slot size or count than this process asks for."""
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    slot_bytes: int
+    n_slots: int
+    max_procs: int
+
+    def offsets(self) -> tuple[int, int, int, int, int]:
+        table = 4096
+        pins = table + align_up(self.n_slots * SLOT_DTYPE.itemsize)
+        procs = pins + align_up(self.max_procs * self.n_slots * 4)
+        data = align_up(procs + self.max_procs * 8, DATA_ALIGN)
+        total = data + self.n_slots * self.slot_bytes
+        return table, pins, procs, data, total
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SharedChunkPool:
+    """A node-wide pool of fixed-size chunk slots with LRU eviction and per-process pins."""
+
+    def __init__(
+        self,
+        name: str,
+        slot_bytes: int,
+        capacity_bytes: int,
+        max_procs: int = 64,
+        hugepages: bool = True,
+    ):
+        slot_bytes = align_up(slot_bytes, ALIGN)
+        n_slots = capacity_bytes // slot_bytes
+        if n_slots < 1:
+            raise ValueError(
+                f"DRAM capacity {capacity_bytes} B holds no slot of {slot_bytes} B: raise dram.capacity_bytes"
+            )
+        self.name = name
+        self.evictions = 0
+        self.path = SHM_DIR / f"kvprefetch-{name}.pool"
+        self._tlock = threading.RLock()
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                self.geometry, created = self._open_or_init(PoolGeometry(slot_bytes, n_slots, max_procs))
+                self._map(hugepages, prefault=created)
+                self._row = self._claim_row()
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.created = created
+        self._closed = False
+
+    # ---- setup -------------------------------------------------------------------------------------------
+    def _open_or_init(self, want: PoolGeometry) -> tuple[PoolGeometry, bool]:
+        size = os.fstat(self._fd).st_size
+        if size == 0:
+            *_, total = want.offsets()
+            os.ftruncate(self._fd, total)
+            head = _SUPER.pack(
+                POOL_MAGIC, POOL_VERSION, want.max_procs, want.slot_bytes, want.n_slots, want.offsets()[3], 0
+            )
+            os.pwrite(self._fd, head, 0)
+            return want, True
+        head = os.pread(self._fd, _SUPER.size, 0)
+        magic, version, max_procs, slot_bytes, n_slots, _data, _tick = _SUPER.unpack(head)
+        if magic != POOL_MAGIC or version != POOL_VERSION:
+            raise PoolGeometryError(f"{self.path} is not a kvprefetch pool (or an older version): remove it")
+        have = PoolGeometry(slot_bytes, n_slots, max_procs)
+        if have.slot_bytes != want.slot_bytes or have.n_slots != want.n_slots:
+            raise PoolGeometryError(
+                f"DRAM pool '{self.name}' exists with {have.n_slots} slots of {have.slot_bytes} B, this process"
+                f" asks for {want.n_slots} slots of {want.slot_bytes} B: use another dram.pool_name for a"
+                f" different model/layout, or the same capacity"
+            )
+        return have, False
+
+    def _map(self, hugepages: bool, prefault: bool) -> None:
+        table, pins, procs, data, total = self.geometry.offsets()
+        self._mm = mmap.mmap(self._fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.hugepages_advised = False
+        if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._mm.madvise(mmap.MADV_HUGEPAGE, data, total - data)
+                self.hugepages_advised = True
+            except OSError:
+                pass
+        g = self.geometry
+        self.slots = np.ndarray((g.n_slots,), SLOT_DTYPE, buffer=self._mm, offset=table)
+        self.pins = np.ndarray((g.max_procs, g.n_slots), np.int32, buffer=self._mm, offset=pins)
+        self.procs = np.ndarray((g.max_procs,), np.int64, buffer=self._mm, offset=procs)
+        self._data = np.ndarray((total - data,), np.uint8, buffer=self._mm, offset=data)
+        self._data_offset = data
+        if prefault:  # fault every page in once, so the hot path never takes a page fault
+            self._data[::4096] = 0
+
+    def _claim_row(self) -> int:
+        self._reap_dead_locked()
+        pid = os.getpid()
+        free = np.flatnonzero(self.procs == 0)
+        if len(free) == 0:
+            raise RuntimeError(f"DRAM pool '{self.name}' has {self.geometry.max_procs} processes attached already")
+        row = int(free[0])
+        self.procs[row] = pid
+        self.pins[row, :] = 0
+        return row
+
+    # ---- locking -----------------------------------------------------------------------------------------
+    @contextmanager
+    def _locked(self):
+        with self._tlock:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _next_tick(self) -> int:
+        (tick,) = struct.unpack_from("<Q", self._mm, _TICK_OFFSET)
+        struct.pack_into("<Q", self._mm, _TICK_OFFSET, tick + 1)
+        return tick + 1
+
+    def _reap_dead_locked(self) -> int:
+        reaped = 0
+        for row in np.flatnonzero(self.procs != 0):
+            pid = int(self.procs[row])
+            if pid != os.getpid() and not _pid_alive(pid):
+                writing = np.flatnonzero((self.pins[row] > 0) & (self.slots["state"] == WRITING))
+                self.slots["state"][writing] = FREE  # a dead writer's half-written slot is garbage
+                self.pins[row, :] = 0
+                self.procs[row] = 0
+                reaped += 1
+        return reaped
+
+    def reap_dead(self) -> int:
+        """Release the pins and half-written slots of processes that died without detaching."""
+        with self._locked():
+            return self._reap_dead_locked()
+
+    # ---- lookup ------------------------------------------------------------------------------------------
+    def _find(self, key: bytes, state: int = READY) -> int | None:
+        key0 = int.from_bytes(key[:8], "little")
+        for slot in np.flatnonzero((self.slots["key0"] == key0) & (self.slots["state"] == state)):
+            if self.slots["key"][slot].tobytes() == key:
+                return int(slot)
+        return None
+
+    def contains(self, key: bytes) -> bool:
+        """Whether key has a READY slot (a hint: it may be evicted right after unless pinned)."""
+        return self._find(key) is not None
+
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        ready = self.slots["state"] == READY
+        present = set(self.slots["key"][ready].tobytes()[i : i + 32] for i in range(0, 32 * int(ready.sum()), 32))
+        return [k in present for k in keys]
+
+    # ---- slot lifecycle ----------------------------------------------------------------------------------
+    def allocate(self, key: bytes, payload_nbytes: int) -> int | None:
+        """Reserve a slot for key (pinned by this process, state WRITING); None if present or all pinned."""
+        if HEADER_BYTES + payload_nbytes > self.geometry.slot_bytes:
+            raise ValueError(f"chunk of {payload_nbytes} B does not fit a {self.geometry.slot_bytes} B slot")
+        with self._locked():
+            if self._find(key) is not None or self._find(key, WRITING) is not None:
+                return None
+            slot = self._free_or_victim()
+            if slot is None and self._reap_dead_locked():
+                slot = self._free_or_victim()
+            if slot is None:
+                return None
+            entry = self.slots[slot]
+            entry["key0"] = int.from_bytes(key[:8], "little")
+            entry["key"] = np.frombuffer(key, dtype="V32")[0]
+            entry["state"] = WRITING
+            entry["nbytes"] = payload_nbytes
+            self.pins[self._row, slot] += 1
+            return slot
+
+    def _free_or_victim(self) -> int | None:
+        states = self.slots["state"]
+        free = np.flatnonzero(states == FREE)
+        if len(free):
+            return int(free[0])
+        evictable = (states == READY) & (self.pins.sum(axis=0) == 0)
+        if not evictable.any():
+            return None
+        ticks = np.where(evictable, self.slots["tick"], np.iinfo(np.uint64).max)
+        victim = int(np.argmin(ticks))
+        self.evictions += 1
+        return victim
+
+    def commit(self, slot: int) -> None:
+        """Publish a written slot (header already in place) and drop the writer's pin."""
+        with self._locked():
+            self.slots["tick"][slot] = self._next_tick()
+            self.slots["state"][slot] = READY
+            self.pins[self._row, slot] -= 1
+
+    def abort(self, slot: int) -> None:
+        """Give back a slot whose write failed."""
+        with self._locked():
+            self.slots["state"][slot] = FREE
+            self.pins[self._row, slot] -= 1
+
+    def acquire(self, key: bytes) -> int | None:
+        """Pin key's READY slot for reading and mark it most recently used; None on a miss."""
+        with self._locked():
+            slot = self._find(key)
+            if slot is None:
+                return None
+            self.pins[self._row, slot] += 1
+            self.slots["tick"][slot] = self._next_tick()
+            return slot
+
+    def pin_slot(self, slot: int) -> None:
+        """Add a pin by this process to a slot it already holds (allocated or acquired)."""
+        with self._locked():
+            self.pins[self._row, slot] += 1
+
+    def unpin(self, key: bytes) -> bool:
+        """Drop one of this process's pins on key's slot."""
+        with self._locked():
+            slot = self._find(key)
+            if slot is None or self.pins[self._row, slot] == 0:
+                return False
+            self.pins[self._row, slot] -= 1
+            return True
+
+    def release(self, slot: int) -> None:
+        with self._locked():
+            if self.pins[self._row, slot] > 0:
+                self.pins[self._row, slot] -= 1
+
+    def discard(self, key: bytes) -> bool:
+        """Drop key if nobody pins it (e.g. it was found corrupt)."""
+        with self._locked():
+            slot = self._find(key)
+            if slot is None or self.pins[:, slot].sum() > 0:
+                return False
+            self.slots["state"][slot] = FREE
+            return True
+
+    def image(self, slot: int) -> memoryview:
+        """The slot's chunk image (zero-copy view into shared memory)."""
+        start = slot * self.geometry.slot_bytes
+        return memoryview(self._data[start : start + self.geometry.slot_bytes])
+
+    def payload(self, slot: int) -> memoryview:
+        nbytes = int(self.slots["nbytes"][slot])
+        return self.image(slot)[HEADER_BYTES : HEADER_BYTES + nbytes]
+
+    # ---- accounting --------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        states = self.slots["state"]
+        ready = int((states == READY).sum())
+        return {
+            "name": self.name,
+            "slots_total": self.geometry.n_slots,
+            "slots_ready": ready,
+            "slots_writing": int((states == WRITING).sum()),
+            "slots_pinned": int((self.pins.sum(axis=0) > 0).sum()),
+            "bytes_used": ready * self.geometry.slot_bytes,
+            "capacity_bytes": self.geometry.n_slots * self.geometry.slot_bytes,
+            "processes": int((self.procs != 0).sum()),
+            "evictions_here": self.evictions,
+            "hugepages_advised": self.hugepages_advised,
+        }
+
+    def close(self) -> None:
+        """Detach: drop this process's pins and row. The pool itself stays for the other processes."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._locked():
+            mine = np.flatnonzero(self.pins[self._row] > 0)
+            writing = mine[self.slots["state"][mine] == WRITING]
+            self.slots["state"][writing] = FREE
+            self.pins[self._row, :] = 0
+            self.procs[self._row] = 0
+        del self.slots, self.pins, self.procs, self._data
+        with contextlib.suppress(BufferError):  # a caller still holds a view; it unmaps when collected
+            self._mm.close()
+        os.close(self._fd)
+
+    def destroy(self) -> None:
+        """Detach and remove the pool from the node (every attached process keeps its mapping until it exits)."""
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> SharedChunkPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
