@@ -11,11 +11,30 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 TierName = Literal["dram", "disk"]
-PositiveBytes = Annotated[ByteSize, Field(gt=0)]
+
+
+def _positive_size(value: Any) -> Any:
+    if isinstance(value, int | float) and not isinstance(value, bool) and value <= 0:
+        raise ValueError(f"must be a positive size in bytes (a number or e.g. '2GiB'), got {value}")
+    if isinstance(value, str) and value.strip().startswith("-"):
+        raise ValueError(f"must be a positive size in bytes (a number or e.g. '2GiB'), got {value!r}")
+    return value
+
+
+PositiveBytes = Annotated[ByteSize, BeforeValidator(_positive_size), Field(gt=0)]
 
 
 class ConfigError(ValueError):
@@ -38,6 +57,9 @@ class DramConfig(_Section):
     capacity_bytes: PositiveBytes = ByteSize(2 << 30)
     pool_name: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     hugepages: bool = Field(default=True, description="madvise(MADV_HUGEPAGE) on the pool where the kernel allows.")
+    backing: Literal["auto", "shm", "hugetlbfs"] = Field(
+        default="auto", description="auto: hugetlbfs when mounted with enough free huge pages, else /dev/shm."
+    )
     max_processes: int = Field(default=64, ge=1, le=4096, description="Processes that may attach at once.")
 
 

@@ -26,7 +26,7 @@ from kvprefetch.config import StoreConfig
 from kvprefetch.io.engine import IOClass, IOEngine, IOTicket
 from kvprefetch.tiers.chunk_format import HEADER_BYTES, CorruptChunk, image_bytes, write_header
 from kvprefetch.tiers.disk import ChunkMissing, DiskTier, aligned_buffer
-from kvprefetch.tiers.dram import SharedChunkPool
+from kvprefetch.tiers.dram import SHM_DIR, SharedChunkPool, pool_directory
 
 log = logging.getLogger(__name__)
 
@@ -95,13 +95,7 @@ class TieredStore:
         self.config = config
         self.chunk_bytes = chunk_bytes
         self.image_bytes = image_bytes(chunk_bytes)
-        self.dram = SharedChunkPool(
-            config.dram.pool_name,
-            slot_bytes=self.image_bytes,
-            capacity_bytes=int(config.dram.capacity_bytes),
-            max_procs=config.dram.max_processes,
-            hugepages=config.dram.hugepages,
-        )
+        self.dram = open_pool(config, self.image_bytes)
         self.disk: DiskTier | None = None
         if config.disk_enabled:
             d = config.disk
@@ -182,43 +176,57 @@ class TieredStore:
 
     # ---- reads into caller memory ------------------------------------------------------------------------
     def get_into(self, keys: Sequence[bytes], buffers: Sequence, cls: IOClass = IOClass.DEMAND) -> int:
-        """Copy the leading cached chunks into buffers; return how many were loaded (stops at the first miss)."""
+        """Copy the leading cached chunks into buffers; return how many were loaded (stops at the first miss).
+
+        DRAM hits are pinned up front, so the promotions this call starts cannot evict them; every disk read
+        starts at once, so they run in parallel while earlier chunks are copied.
+        """
         if len(buffers) < len(keys):
             raise ValueError(f"{len(keys)} keys but only {len(buffers)} buffers")
+        held: dict[bytes, int] = {}
         pending: dict[bytes, IOTicket] = {}
-        if self.disk is not None:  # start every disk read at once so they run in parallel
-            for key, hot in zip(keys, self.dram.contains_many(list(keys)), strict=True):
-                if not hot and self.disk.contains(key):
-                    pending[key] = self._submit_promote(key, cls)
+        for key in keys:
+            slot = self.dram.acquire(key)
+            if slot is not None:
+                held[key] = slot
+            elif self.disk is not None and self.disk.contains(key):
+                pending[key] = self._submit_promote(key, cls)
+            else:
+                break
         loaded = 0
         try:
             for key, buffer in zip(keys, buffers, strict=False):
-                if not self._load_one(key, as_bytes_view(buffer), pending.pop(key, None)):
+                dst = as_bytes_view(buffer)
+                if key in held:
+                    ok = self._copy_out(key, held.pop(key), dst, Tier.DRAM)
+                elif key in pending:
+                    ok = self._finish_promote(key, pending.pop(key), dst)
+                else:
+                    self.counters["misses"] += 1
+                    ok = False
+                if not ok:
                     break
                 loaded += 1
         finally:
+            for slot in held.values():
+                self.dram.release(slot)
             for ticket in pending.values():
                 ticket.cancel()
         return loaded
 
-    def _load_one(self, key: bytes, dst: memoryview, ticket: IOTicket | None) -> bool:
-        if ticket is not None:
-            try:
-                in_dram = ticket.result()
-            except (ChunkMissing, CorruptChunk, OSError) as err:
-                self._load_failed(key, err)
-                return False
-            if not in_dram:  # DRAM is full of pinned chunks: read straight into a bounce buffer
-                return self._load_direct(key, dst)
-            tier = Tier.DISK
-        else:
-            tier = Tier.DRAM
-        slot = self.dram.acquire(key)
-        if slot is None:
-            if tier is Tier.DRAM and self.disk is not None and self.disk.contains(key):
-                return self._load_direct(key, dst)  # evicted between lookup and load
-            self.counters["misses"] += 1
+    def _finish_promote(self, key: bytes, ticket: IOTicket, dst: memoryview) -> bool:
+        try:
+            in_dram = ticket.result()
+        except (ChunkMissing, CorruptChunk, OSError) as err:
+            self._load_failed(key, err)
             return False
+        slot = self.dram.acquire(key) if in_dram else None
+        if slot is None:  # DRAM full of pinned chunks, or evicted again already: read around DRAM
+            return self._load_direct(key, dst)
+        return self._copy_out(key, slot, dst, Tier.DISK)
+
+    def _copy_out(self, key: bytes, slot: int, dst: memoryview, tier: Tier) -> bool:
+        """Copy a pinned slot's payload to dst and release the pin."""
         try:
             payload = self.dram.payload(slot)
             if len(payload) != len(dst):
@@ -304,7 +312,7 @@ class TieredStore:
                 if slot is not None:
                     self.dram.release(slot)
 
-        return self.io.submit(Tier.DISK.value, IOClass.WRITEBACK, write, nbytes=self.image_bytes, dedup=("write", key))
+        return self.io.submit(Tier.DISK.value, IOClass.WRITEBACK, write, nbytes=self.image_bytes)
 
     # ---- pins, stats, lifecycle --------------------------------------------------------------------------
     def pin(self, keys: Sequence[bytes]) -> list[bool]:
@@ -342,6 +350,22 @@ class TieredStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def open_pool(config: StoreConfig, slot_bytes: int) -> SharedChunkPool:
+    """Open (or create) the node's DRAM pool for this config, on huge pages where configured and possible."""
+    d = config.dram
+    directory = pool_directory(d.pool_name, d.backing, int(d.capacity_bytes))
+    kwargs = dict(
+        slot_bytes=slot_bytes, capacity_bytes=int(d.capacity_bytes), max_procs=d.max_processes, hugepages=d.hugepages
+    )
+    try:
+        return SharedChunkPool(d.pool_name, directory=directory, **kwargs)
+    except OSError as err:
+        if directory == SHM_DIR or d.backing == "hugetlbfs":
+            raise
+        log.warning("kvprefetch: huge-page pool at %s failed (%s); using %s", directory, err, SHM_DIR)
+        return SharedChunkPool(d.pool_name, directory=SHM_DIR, **kwargs)
 
 
 def _gather(tickets: list[IOTicket], done: Future) -> None:

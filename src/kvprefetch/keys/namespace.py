@@ -7,7 +7,6 @@ tenants can never read each other's KV even when they share a tier.
 from __future__ import annotations
 
 import json
-from functools import cached_property
 
 import blake3
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,9 +27,9 @@ class KVNamespace(BaseModel):
     layout: str = Field(default="kv", description="Byte order of a chunk inside the payload (format tag).")
     tenant: str | None = Field(default=None, description="Optional salt isolating tenants that share a cache.")
 
-    @cached_property
+    @property
     def digest(self) -> bytes:
-        """32-byte blake3 digest of the canonical JSON of every field."""
+        """32-byte blake3 digest of the canonical JSON of every field (not cached: copies must not inherit it)."""
         canonical = json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
         return blake3.blake3(b"kvprefetch-ns-v1\0" + canonical.encode()).digest()
 

@@ -32,6 +32,7 @@ POOL_MAGIC = b"KVPFPOOL"
 POOL_VERSION = 1
 SHM_DIR = Path(os.environ.get("KVPREFETCH_SHM_DIR", "/dev/shm"))
 DATA_ALIGN = 2 << 20  # so slot images can sit on huge pages
+HUGE_PAGE = 2 << 20
 
 FREE, WRITING, READY = 0, 1, 2
 _SUPER = struct.Struct("<8sIIQQQQ")  # magic, version, max_procs, slot_bytes, n_slots, data_offset, tick
@@ -62,6 +63,51 @@ class PoolGeometry:
         return table, pins, procs, data, total
 
 
+def hugetlbfs_mount() -> Path | None:
+    """A mounted hugetlbfs of 2 MiB pages, if the node has one."""
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    for line in mounts:
+        parts = line.split()
+        if len(parts) >= 4 and parts[2] == "hugetlbfs" and "pagesize=1G" not in parts[3]:
+            return Path(parts[1])
+    return None
+
+
+def free_huge_pages() -> int:
+    try:
+        return int(Path("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages").read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def pool_directory(name: str, backing: str, pool_bytes: int) -> Path:
+    """Where the pool of this name lives: an existing pool wins, then huge pages if asked for and available.
+
+    O_DIRECT reads into hugetlbfs-backed memory ran up to 2x faster than into 4 KiB pages here (fio, same
+    job), so `auto` uses a hugetlbfs mount when it has enough free pages for the whole pool.
+    """
+    mount = hugetlbfs_mount()
+    for directory in (mount, SHM_DIR):
+        if directory is not None and (directory / f"kvprefetch-{name}.pool").exists():
+            return directory
+    if backing == "shm":
+        return SHM_DIR
+    fits = mount is not None and free_huge_pages() * HUGE_PAGE >= pool_bytes + 2 * DATA_ALIGN
+    if fits:
+        return mount
+    if backing == "hugetlbfs":
+        need = (pool_bytes + 2 * DATA_ALIGN) // HUGE_PAGE + 1
+        raise PoolGeometryError(
+            f"dram.backing=hugetlbfs needs a hugetlbfs mount with {need} free 2 MiB pages (found"
+            f" {'no mount' if mount is None else f'{free_huge_pages()} free at {mount}'}): as root, "
+            f"`mount -t hugetlbfs none /dev/hugepages; echo {need} > /proc/sys/vm/nr_hugepages`"
+        )
+    return SHM_DIR
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -82,6 +128,7 @@ class SharedChunkPool:
         capacity_bytes: int,
         max_procs: int = 64,
         hugepages: bool = True,
+        directory: str | os.PathLike = SHM_DIR,
     ):
         slot_bytes = align_up(slot_bytes, ALIGN)
         n_slots = capacity_bytes // slot_bytes
@@ -91,36 +138,49 @@ class SharedChunkPool:
             )
         self.name = name
         self.evictions = 0
-        self.path = SHM_DIR / f"kvprefetch-{name}.pool"
+        self.path = Path(directory) / f"kvprefetch-{name}.pool"
         self._tlock = threading.RLock()
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
-                self.geometry, created = self._open_or_init(PoolGeometry(slot_bytes, n_slots, max_procs))
-                self._map(hugepages, prefault=created)
+                created = self._map_or_init(PoolGeometry(slot_bytes, n_slots, max_procs), hugepages)
                 self._row = self._claim_row()
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
         except BaseException:
             os.close(self._fd)
+            if locals().get("created"):
+                self.path.unlink(missing_ok=True)
             raise
         self.created = created
         self._closed = False
 
     # ---- setup -------------------------------------------------------------------------------------------
-    def _open_or_init(self, want: PoolGeometry) -> tuple[PoolGeometry, bool]:
+    def _map_or_init(self, want: PoolGeometry, hugepages: bool) -> bool:
+        """Map an existing pool (checking its geometry) or lay out a new one. Returns True if created."""
         size = os.fstat(self._fd).st_size
-        if size == 0:
-            *_, total = want.offsets()
-            os.ftruncate(self._fd, total)
-            head = _SUPER.pack(
-                POOL_MAGIC, POOL_VERSION, want.max_procs, want.slot_bytes, want.n_slots, want.offsets()[3], 0
-            )
-            os.pwrite(self._fd, head, 0)
-            return want, True
-        head = os.pread(self._fd, _SUPER.size, 0)
-        magic, version, max_procs, slot_bytes, n_slots, _data, _tick = _SUPER.unpack(head)
+        created = size == 0
+        if created:
+            size = align_up(want.offsets()[-1], DATA_ALIGN)  # hugetlbfs wants whole huge pages
+            os.ftruncate(self._fd, size)
+        try:
+            self._mm = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            if created:
+                os.ftruncate(self._fd, 0)
+            raise
+        if created:
+            head = (POOL_MAGIC, POOL_VERSION, want.max_procs, want.slot_bytes, want.n_slots, want.offsets()[3], 0)
+            _SUPER.pack_into(self._mm, 0, *head)
+            self.geometry = want
+        else:
+            self.geometry = self._check_geometry(want)
+        self._layout(hugepages, prefault=created)
+        return created
+
+    def _check_geometry(self, want: PoolGeometry) -> PoolGeometry:
+        magic, version, max_procs, slot_bytes, n_slots, _data, _tick = _SUPER.unpack_from(self._mm, 0)
         if magic != POOL_MAGIC or version != POOL_VERSION:
             raise PoolGeometryError(f"{self.path} is not a kvprefetch pool (or an older version): remove it")
         have = PoolGeometry(slot_bytes, n_slots, max_procs)
@@ -130,24 +190,20 @@ class SharedChunkPool:
                 f" asks for {want.n_slots} slots of {want.slot_bytes} B: use another dram.pool_name for a"
                 f" different model/layout, or the same capacity"
             )
-        return have, False
+        return have
 
-    def _map(self, hugepages: bool, prefault: bool) -> None:
+    def _layout(self, hugepages: bool, prefault: bool) -> None:
         table, pins, procs, data, total = self.geometry.offsets()
-        self._mm = mmap.mmap(self._fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.hugepages_advised = False
         if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
+            with contextlib.suppress(OSError):  # not every file system takes the advice (hugetlbfs needs none)
                 self._mm.madvise(mmap.MADV_HUGEPAGE, data, total - data)
                 self.hugepages_advised = True
-            except OSError:
-                pass
         g = self.geometry
         self.slots = np.ndarray((g.n_slots,), SLOT_DTYPE, buffer=self._mm, offset=table)
         self.pins = np.ndarray((g.max_procs, g.n_slots), np.int32, buffer=self._mm, offset=pins)
         self.procs = np.ndarray((g.max_procs,), np.int64, buffer=self._mm, offset=procs)
         self._data = np.ndarray((total - data,), np.uint8, buffer=self._mm, offset=data)
-        self._data_offset = data
         if prefault:  # fault every page in once, so the hot path never takes a page fault
             self._data[::4096] = 0
 
@@ -207,9 +263,13 @@ class SharedChunkPool:
         return self._find(key) is not None
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
+        """Vectorised contains() for a request's keys: one pass over the slot table."""
+        if not keys:
+            return []
+        want = np.frombuffer(b"".join(k[:8] for k in keys), dtype="<u8")
         ready = self.slots["state"] == READY
-        present = set(self.slots["key"][ready].tobytes()[i : i + 32] for i in range(0, 32 * int(ready.sum()), 32))
-        return [k in present for k in keys]
+        maybe = np.isin(want, self.slots["key0"][ready])
+        return [bool(m) and self._find(k) is not None for k, m in zip(keys, maybe, strict=True)]
 
     # ---- slot lifecycle ----------------------------------------------------------------------------------
     def allocate(self, key: bytes, payload_nbytes: int) -> int | None:

@@ -1,0 +1,1 @@
+"""Benchmarks that print side-by-side ratios measured in one run."""
