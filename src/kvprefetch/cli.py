@@ -139,3 +139,7 @@ def main() -> None:
     except ConfigError as err:
         console.print(f"[red]{err}[/red]")
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
