@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml scripts/setup.sh
 	touch $(STAMP)
 
 test: setup
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest
 
 test-fast: setup
@@ -22,4 +22,4 @@ bench: setup
 	$(BIN)/kvprefetch iobench
 
 lint: setup
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests benchmarks

@@ -23,7 +23,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-TierName = Literal["dram", "disk"]
+TierName = Literal["dram", "disk", "remote"]
 
 
 def _positive_size(value: Any) -> Any:
@@ -96,6 +96,44 @@ class IOConfig(_Section):
     )
 
 
+class RedisConfig(_Section):
+    """Redis or Valkey: `redis://` or TLS `rediss://` URL; AUTH through the URL or the fields below."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    cluster: bool = Field(default=False, description="Use the Redis Cluster client (url names any node).")
+    username: str | None = None
+    password: str | None = None
+    ssl_ca_certs: Path | None = None
+    ttl_s: int | None = Field(default=None, ge=1, description="Expire chunks after this many seconds.")
+
+
+class MooncakeConfig(_Section):
+    """Mooncake Store client: where its master and metadata service are, and what this node contributes."""
+
+    master: str = "127.0.0.1:50051"
+    metadata_server: str = "http://127.0.0.1:8080/metadata"
+    local_hostname: str = "127.0.0.1"
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    segment_bytes: PositiveBytes = ByteSize(512 << 20)
+    buffer_bytes: PositiveBytes = ByteSize(64 << 20)
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+
+
+class RemoteConfig(_Section):
+    """The shared tier below disk."""
+
+    backend: Literal["redis", "mooncake"] = "redis"
+    key_prefix: str = Field(default="kvprefetch:", pattern=r"^[A-Za-z0-9_.:-]{0,64}$")
+    write_policy: Literal["write_through", "hit_count"] = Field(
+        default="write_through", description="write_through: every new chunk; hit_count: after min_hits reads."
+    )
+    min_hits: int = Field(default=2, ge=1)
+    timeout_s: float = Field(default=2.0, gt=0)
+    retry_after_s: float = Field(default=5.0, gt=0, description="How long a failed remote is skipped.")
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    mooncake: MooncakeConfig = Field(default_factory=MooncakeConfig)
+
+
 class StoreConfig(BaseSettings):
     """The whole store's configuration."""
 
@@ -109,6 +147,7 @@ class StoreConfig(BaseSettings):
     dram: DramConfig = Field(default_factory=DramConfig)
     disk: DiskConfig = Field(default_factory=DiskConfig)
     io: IOConfig = Field(default_factory=IOConfig)
+    remote: RemoteConfig = Field(default_factory=RemoteConfig)
 
     @model_validator(mode="after")
     def _dram_first(self) -> StoreConfig:
@@ -121,6 +160,10 @@ class StoreConfig(BaseSettings):
     @property
     def disk_enabled(self) -> bool:
         return "disk" in self.tiers
+
+    @property
+    def remote_enabled(self) -> bool:
+        return "remote" in self.tiers
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, **overrides: Any) -> StoreConfig:

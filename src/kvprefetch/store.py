@@ -27,6 +27,7 @@ from kvprefetch.io.engine import IOClass, IOEngine, IOTicket
 from kvprefetch.tiers.chunk_format import HEADER_BYTES, CorruptChunk, image_bytes, write_header
 from kvprefetch.tiers.disk import ChunkMissing, DiskTier, aligned_buffer
 from kvprefetch.tiers.dram import SHM_DIR, SharedChunkPool, pool_directory
+from kvprefetch.tiers.remote import RemoteRejected, RemoteTier, open_backend
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 class Tier(StrEnum):
     DRAM = "dram"
     DISK = "disk"
+    REMOTE = "remote"
 
 
 @dataclass
@@ -100,6 +102,13 @@ class TieredStore:
         if config.disk_enabled:
             d = config.disk
             self.disk = DiskTier(d.path, int(d.capacity_bytes), direct_io=d.direct_io, fsync=d.fsync)
+        self.remote: RemoteTier | None = None
+        if config.remote_enabled:
+            r = config.remote
+            self.remote = RemoteTier(open_backend(r), r.key_prefix, r.retry_after_s)
+            self.remote.backend.register_memory(self.dram.data_view())
+        self._remote_written: set[bytes] = set()
+        self._hits: dict[bytes, int] = {}
         self.io = IOEngine(threads=config.io.threads)
         if config.io.read_rate_limit_bps:
             self.io.set_rate_limit(Tier.DISK.value, int(config.io.read_rate_limit_bps))
@@ -113,27 +122,45 @@ class TieredStore:
             "put_chunks": 0,
             "put_skipped_present": 0,
             "writeback_errors": 0,
+            "remote_hits": 0,
+            "remote_writes": 0,
         }
         self._warned: set[str] = set()
 
     # ---- lookup ------------------------------------------------------------------------------------------
-    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
-        """Longest prefix of keys present in some tier, and the fastest tier holding each."""
-        in_dram = self.dram.contains_many(list(keys))
-        tiers: list[Tier] = []
-        for key, hot in zip(keys, in_dram, strict=True):
+    def _tiers_of(self, keys: Sequence[bytes]) -> list[Tier | None]:
+        """The fastest tier holding each key (None: nowhere). Stops probing at the first miss (the hit is a
+        prefix) unless a remote tier may still hold what the local tiers miss: one batched remote round trip."""
+        keys = list(keys)
+        tiers: list[Tier | None] = []
+        for key, hot in zip(keys, self.dram.contains_many(keys), strict=True):
             if hot:
                 tiers.append(Tier.DRAM)
             elif self.disk is not None and self.disk.contains(key):
                 tiers.append(Tier.DISK)
-            else:
+            elif self.remote is None:
                 break
-        return LookupResult(tiers)
+            else:
+                tiers.append(None)
+        tiers += [None] * (len(keys) - len(tiers))
+        if self.remote is not None:
+            first_miss = next((i for i, t in enumerate(tiers) if t is None), len(keys))
+            missing = [i for i in range(first_miss, len(keys)) if tiers[i] is None]
+            found = self.remote.contains_many([keys[i] for i in missing])
+            for i, there in zip(missing, found, strict=True):
+                if there:
+                    tiers[i] = Tier.REMOTE
+        return tiers
+
+    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        """Longest prefix of keys present in some tier, and the fastest tier holding each."""
+        tiers = self._tiers_of(keys)
+        end = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
+        return LookupResult([t for t in tiers[:end] if t is not None])
 
     # ---- promotion ---------------------------------------------------------------------------------------
-    def _promote(self, key: bytes) -> bool:
-        """Read key from disk into a DRAM slot. True when it is in DRAM afterwards."""
-        assert self.disk is not None
+    def _promote(self, key: bytes, source: Tier) -> bool:
+        """Read key from disk or the remote tier into a DRAM slot. True when it is in DRAM afterwards."""
         slot = self.dram.allocate(key, self.chunk_bytes)
         if slot is None:
             if self.dram.contains(key):
@@ -141,7 +168,16 @@ class TieredStore:
             self.counters["dram_full"] += 1
             return False
         try:
-            self.disk.read_into(key, self.dram.image(slot))
+            if source is Tier.DISK:
+                assert self.disk is not None
+                self.disk.read_into(key, self.dram.image(slot))
+            else:
+                assert self.remote is not None
+                self.remote.read_into(key, self.dram.image(slot))
+        except (ChunkMissing, CorruptChunk, OSError) as err:  # RemoteUnavailable is a ConnectionError
+            self.dram.abort(slot)
+            self._load_failed(key, err)
+            raise
         except BaseException:
             self.dram.abort(slot)
             raise
@@ -149,29 +185,25 @@ class TieredStore:
         self.counters["promoted"] += 1
         return True
 
-    def _submit_promote(self, key: bytes, cls: IOClass, deadline: float | None = None) -> IOTicket:
+    def _submit_promote(self, key: bytes, source: Tier, cls: IOClass, deadline: float | None = None) -> IOTicket:
         return self.io.submit(
-            Tier.DISK.value,
+            source.value,
             cls,
-            lambda: self._promote(key),
+            lambda: self._promote(key, source),
             nbytes=self.image_bytes,
             dedup=("promote", key),
             deadline=deadline,
         )
 
     def prefetch(self, keys: Sequence[bytes], to: Tier = Tier.DRAM, deadline: float | None = None) -> PrefetchHandle:
-        """Start moving keys' disk hits into DRAM in order; deadline (monotonic s) drops reads not started by then."""
+        """Start moving keys' disk/remote hits into DRAM in order; deadline (monotonic s) drops reads not
+        started by then."""
         if to is not Tier.DRAM:
             raise ValueError(f"prefetch target must be {Tier.DRAM.value}, got {to}")
         handle = PrefetchHandle(list(keys))
-        if self.disk is None:
-            return handle
-        for key, hot in zip(keys, self.dram.contains_many(list(keys)), strict=True):
-            if hot:
-                continue
-            if not self.disk.contains(key):
-                break
-            handle.tickets[key] = self._submit_promote(key, IOClass.PREFETCH, deadline)
+        for key, tier in zip(keys, self.lookup(keys).tiers, strict=False):
+            if tier is not Tier.DRAM:
+                handle.tickets[key] = self._submit_promote(key, tier, IOClass.PREFETCH, deadline)
         return handle
 
     # ---- reads into caller memory ------------------------------------------------------------------------
@@ -185,12 +217,14 @@ class TieredStore:
             raise ValueError(f"{len(keys)} keys but only {len(buffers)} buffers")
         held: dict[bytes, int] = {}
         pending: dict[bytes, IOTicket] = {}
-        for key in keys:
-            slot = self.dram.acquire(key)
+        for key, tier in zip(keys, self.lookup(keys).tiers, strict=False):
+            slot = self.dram.acquire(key) if tier is Tier.DRAM else None
             if slot is not None:
                 held[key] = slot
+            elif tier is Tier.REMOTE:
+                pending[key] = self._submit_promote(key, Tier.REMOTE, cls)
             elif self.disk is not None and self.disk.contains(key):
-                pending[key] = self._submit_promote(key, cls)
+                pending[key] = self._submit_promote(key, Tier.DISK, cls)
             else:
                 break
         loaded = 0
@@ -217,13 +251,12 @@ class TieredStore:
     def _finish_promote(self, key: bytes, ticket: IOTicket, dst: memoryview) -> bool:
         try:
             in_dram = ticket.result()
-        except (ChunkMissing, CorruptChunk, OSError) as err:
-            self._load_failed(key, err)
+        except (ChunkMissing, CorruptChunk, OSError):  # counted where the read failed, in _promote
             return False
         slot = self.dram.acquire(key) if in_dram else None
         if slot is None:  # DRAM full of pinned chunks, or evicted again already: read around DRAM
             return self._load_direct(key, dst)
-        return self._copy_out(key, slot, dst, Tier.DISK)
+        return self._copy_out(key, slot, dst, Tier.REMOTE if ticket.tier == Tier.REMOTE.value else Tier.DISK)
 
     def _copy_out(self, key: bytes, slot: int, dst: memoryview, tier: Tier) -> bool:
         """Copy a pinned slot's payload to dst and release the pin."""
@@ -235,11 +268,26 @@ class TieredStore:
             dst[:] = payload
         finally:
             self.dram.release(slot)
-        self.counters["dram_hits" if tier is Tier.DRAM else "disk_hits"] += 1
+        self.counters[f"{tier.value}_hits"] += 1
+        self._count_hit(key)
         return True
 
+    def _count_hit(self, key: bytes) -> None:
+        """hit_count write policy: a chunk goes to the shared tier once it has been read min_hits times."""
+        if self.remote is None or self.config.remote.write_policy != "hit_count" or key in self._remote_written:
+            return
+        self._hits[key] = hits = self._hits.get(key, 0) + 1
+        if hits >= self.config.remote.min_hits:
+            slot = self.dram.acquire(key)
+            if slot is not None:
+                self._remote_written.add(key)
+                self._hits.pop(key, None)
+                self._submit_remote_write(key, slot)
+
     def _load_direct(self, key: bytes, dst: memoryview) -> bool:
-        assert self.disk is not None
+        if self.disk is None or not self.disk.contains(key):
+            self.counters["dram_full"] += 1
+            return False  # remote reads land in (registered) DRAM only
         try:
             image, nbytes = self.disk.read_bounce(key, self.chunk_bytes)
         except (ChunkMissing, CorruptChunk, OSError) as err:
@@ -292,6 +340,10 @@ class TieredStore:
             self.counters["put_chunks"] += 1
             if self.disk is not None:
                 tickets.append(self._submit_writeback(key, image, slot))
+            if slot is not None and self.remote is not None and self.config.remote.write_policy == "write_through":
+                self.dram.pin_slot(slot)
+                self._remote_written.add(key)
+                tickets.append(self._submit_remote_write(key, slot))
         _gather(tickets, done)
         return done
 
@@ -314,6 +366,24 @@ class TieredStore:
 
         return self.io.submit(Tier.DISK.value, IOClass.WRITEBACK, write, nbytes=self.image_bytes)
 
+    def _submit_remote_write(self, key: bytes, slot: int) -> IOTicket:
+        """Copy a pinned slot's image to the remote tier, then release the pin. Failure = not shared, no error."""
+        assert self.remote is not None
+        remote = self.remote
+
+        def write() -> bool:
+            try:
+                remote.write(key, self.dram.image(slot)[: self.image_bytes])
+                self.counters["remote_writes"] += 1
+                return True
+            except (ConnectionError, RemoteRejected):
+                self._remote_written.discard(key)
+                return False
+            finally:
+                self.dram.release(slot)
+
+        return self.io.submit(Tier.REMOTE.value, IOClass.WRITEBACK, write, nbytes=self.image_bytes)
+
     # ---- pins, stats, lifecycle --------------------------------------------------------------------------
     def pin(self, keys: Sequence[bytes]) -> list[bool]:
         """Pin keys in DRAM (e.g. while a load into the engine is pending); False where not in DRAM."""
@@ -326,7 +396,7 @@ class TieredStore:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write-back has finished."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.io.pending(Tier.DISK.value):
+        while self.io.pending(Tier.DISK.value) or self.io.pending(Tier.REMOTE.value):
             if deadline is not None and time.monotonic() > deadline:
                 return False
             time.sleep(0.002)
@@ -338,11 +408,14 @@ class TieredStore:
             "store": dict(self.counters),
             "dram": self.dram.stats(),
             "disk": self.disk.stats() if self.disk else None,
+            "remote": self.remote.stats() if self.remote else None,
             "io": self.io.stats.snapshot(),
         }
 
     def close(self) -> None:
         self.io.close(wait=True)
+        if self.remote is not None:
+            self.remote.close()
         self.dram.close()
 
     def __enter__(self) -> TieredStore:

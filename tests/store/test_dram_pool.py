@@ -62,7 +62,7 @@ def test_a_second_put_of_a_present_key_is_refused(pool):
 
 
 def test_geometry_mismatch_is_a_clear_error(pool):
-    with pytest.raises(PoolGeometryError, match="use another dram.pool_name"):
+    with pytest.raises(PoolGeometryError, match=r"use another dram\.pool_name"):
         SharedChunkPool(pool.name, slot_bytes=2 * SLOT, capacity_bytes=8 * SLOT)
 
 

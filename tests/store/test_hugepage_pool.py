@@ -29,7 +29,9 @@ def _child(config_json, keys, queue):
     store = TieredStore(StoreConfig.model_validate_json(config_json), chunk_bytes=CHUNK_BYTES)
     out = [np.zeros(CHUNK_BYTES, np.uint8) for _ in keys]
     n = store.get_into(keys, out)
-    queue.put((n, str(store.dram.path.parent), all((o == chunk_payload(k)).all() for o, k in zip(out, keys))))
+    queue.put(
+        (n, str(store.dram.path.parent), all((o == chunk_payload(k)).all() for o, k in zip(out, keys, strict=True)))
+    )
     store.close()
 
 

@@ -49,6 +49,10 @@ class IOTicket:
         self._engine, self._op, self._released = engine, op, False
 
     @property
+    def tier(self) -> str:
+        return self._op.tier
+
+    @property
     def future(self) -> Future:
         return self._op.future
 

@@ -361,6 +361,10 @@ class SharedChunkPool:
         start = slot * self.geometry.slot_bytes
         return memoryview(self._data[start : start + self.geometry.slot_bytes])
 
+    def data_view(self) -> memoryview:
+        """All slot images as one region (for backends that register memory for zero-copy transfers)."""
+        return memoryview(self._data)
+
     def payload(self, slot: int) -> memoryview:
         nbytes = int(self.slots["nbytes"][slot])
         return self.image(slot)[HEADER_BYTES : HEADER_BYTES + nbytes]

@@ -1,0 +1,1 @@
+"""Discrete-event simulator of tiered KV-cache serving: plans deployments we cannot run here."""

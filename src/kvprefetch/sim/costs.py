@@ -1,0 +1,82 @@
+"""Step times of a continuous-batching engine from the model's shape and the hardware (roofline)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvprefetch.sim.catalog import Accelerator, Model
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One engine instance: a model on `tp` devices, with the vLLM knobs that shape its batches.
+
+    `efficiency` scales peak FLOP/s (MFU) and `mem_efficiency` scales HBM bandwidth; both are what the
+    roofline cannot know about kernels. `token_budget` is vLLM's max_num_batched_tokens (8192 is its
+    default for online serving), `kv_memory_fraction` its gpu_memory_utilization (default 0.9).
+    """
+
+    model: Model
+    accelerator: Accelerator
+    tp: int = 1
+    efficiency: float = 0.4
+    mem_efficiency: float = 0.7
+    token_budget: int = 8192
+    max_seqs: int = 256
+    kv_memory_fraction: float = 0.9
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        free = self.accelerator.hbm_bytes * self.tp * self.kv_memory_fraction
+        free -= self.model.total_params * self.model.weight_bytes
+        if free <= 0:
+            raise ValueError(f"{self.model.name} does not fit on {self.tp}x {self.accelerator.name}")
+        return int(free / self.model.kv_bytes_per_token)
+
+    def _attn_flops_per_pair(self) -> float:
+        m = self.model
+        return 4.0 * m.layers * m.heads * m.head_dim
+
+    def _weight_bytes(self, tokens: np.ndarray | float) -> np.ndarray | float:
+        """Dense weights are read once per step; each expert only if some token in the step routes to it."""
+        m = self.model
+        dense = m.dense_params * m.weight_bytes
+        if m.experts == 0:
+            return dense + 0.0 * np.asarray(tokens)
+        touched = 1.0 - (1.0 - m.experts_active / m.experts) ** np.asarray(tokens, dtype=float)
+        return dense + m.expert_params * m.weight_bytes * touched
+
+    def step_time(self, prefill: list[tuple[int, int]], n_decode: int, decode_ctx: float) -> float:
+        """Seconds for one step running prefill chunks `(offset, length)` and `n_decode` decode tokens."""
+        m = self.model
+        tokens = n_decode + sum(n for _, n in prefill)
+        pairs = decode_ctx + sum(n * (o + n / 2.0) for o, n in prefill)
+        kv_read = decode_ctx + sum(o for o, _ in prefill)
+        flops = 2.0 * m.active_params * tokens + self._attn_flops_per_pair() * pairs
+        mem = float(self._weight_bytes(tokens)) + kv_read * m.kv_bytes_per_token
+        return self._roofline(flops, mem)
+
+    def decode_steps(self, n_decode: int, ctx_start: float, steps: int) -> np.ndarray:
+        """Times of `steps` decode-only steps in a row, each adding one token to every sequence."""
+        ctx = ctx_start + n_decode * np.arange(steps, dtype=float)
+        m = self.model
+        flops = 2.0 * m.active_params * n_decode + self._attn_flops_per_pair() * ctx
+        mem = self._weight_bytes(n_decode) + ctx * m.kv_bytes_per_token
+        return self._roofline(flops, mem)
+
+    def _roofline(self, flops, mem):
+        a = self.accelerator
+        compute = flops / (a.flops * self.tp * self.efficiency)
+        memory = mem / (a.hbm_bw * self.tp * self.mem_efficiency)
+        return np.maximum(compute, memory) + a.step_overhead_s
+
+    def prefill_time(self, tokens: int, offset: int = 0) -> float:
+        """Seconds to prefill `tokens` after `offset` cached ones, alone, in budget-sized chunks."""
+        total, done = 0.0, 0
+        while done < tokens:
+            n = min(self.token_budget, tokens - done)
+            total += self.step_time([(offset + done, n)], 0, 0.0)
+            done += n
+        return total

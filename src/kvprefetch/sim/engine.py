@@ -1,0 +1,385 @@
+"""The discrete-event model: arrivals, a continuous-batching engine with chunked prefill, tiered KV.
+
+Events are kept in a heap (arrivals) and a few time-stamped states (loads in flight); the engine advances
+one step at a time, or many decode-only steps at once (vectorized) when nothing else can change.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvprefetch.sim.costs import Deployment
+from kvprefetch.sim.policy import Policy
+from kvprefetch.sim.result import SimResult
+from kvprefetch.sim.tiers import BlockCache, Pipe, TierSpec
+from kvprefetch.workload.request import Request
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything one run needs besides the requests.
+
+    `tiers[0]` is host DRAM (read straight over the host link); the others are storage, read into DRAM
+    first. `concurrency`: closed loop with that many sessions in flight; None: open loop at `arrival_s`.
+    `preload` puts block ids in a tier before the run (the "cold reads" of a warm store).
+    """
+
+    deployment: Deployment
+    policy: Policy
+    tiers: tuple[TierSpec, ...] = ()
+    concurrency: int | None = None
+    preload: dict[str, Iterable[int]] = field(default_factory=dict)
+    load_vs_recompute: bool = True
+    queue_aware_eviction: bool = False
+    hbm_cache_blocks: int | None = None
+    block_tokens: int = 512
+
+
+@dataclass(slots=True, eq=False)
+class _Req:
+    req: Request
+    submit: float
+    prefix_blocks: list[tuple[int, str]] = field(default_factory=list)
+    hbm_tokens: int = 0
+    ext_tokens: int = 0
+    ext_bytes_by_tier: dict[str, float] = field(default_factory=dict)
+    fetched_to_dram_at: float | None = None
+    kv_ready: float = 0.0
+    offset: int = 0
+    remaining: int = 0
+    left_out: int = 0
+    first_token: float = float("nan")
+    done: float = float("nan")
+
+
+class _Driver:
+    """Decides when requests are submitted: open loop by `arrival_s`, or a closed loop of sessions."""
+
+    def __init__(self, requests: Sequence[Request], concurrency: int | None):
+        self.sessions: dict[int, list[Request]] = {}
+        for r in sorted(requests, key=lambda r: (r.arrival_s, r.session_id, r.turn)):
+            self.sessions.setdefault(r.session_id, []).append(r)
+        for turns in self.sessions.values():
+            turns.sort(key=lambda r: r.turn)
+        self.order = deque(self.sessions)
+        self.concurrency = concurrency
+
+    def initial(self) -> list[tuple[float, Request]]:
+        if self.concurrency is None:
+            return [(turns[0].arrival_s, turns[0]) for turns in self.sessions.values()]
+        first = [self.order.popleft() for _ in range(min(self.concurrency, len(self.order)))]
+        return [(0.0, self.sessions[s][0]) for s in first]
+
+    def after(self, req: Request, now: float) -> tuple[float, Request] | None:
+        """The submission that follows `req` completing at `now`, if any."""
+        turns = self.sessions[req.session_id]
+        if req.turn + 1 < len(turns) and turns[req.turn + 1].turn == req.turn + 1:
+            nxt = turns[req.turn + 1]
+            base = nxt.arrival_s if self.concurrency is None else 0.0
+            return max(base, now + nxt.think_s), nxt
+        if self.concurrency is not None and self.order:
+            return now, self.sessions[self.order.popleft()][0]
+        return None
+
+
+class Simulator:
+    """One engine instance fed by a workload under one policy. Call `run()` once."""
+
+    def __init__(self, config: SimConfig, requests: Sequence[Request]):
+        self.cfg = config
+        self.dep = config.deployment
+        self.kv_per_token = self.dep.model.kv_bytes_per_token
+        self.tiers = config.tiers if config.policy.uses_external else ()
+        self.caches = {t.name: BlockCache(t.capacity_blocks) for t in self.tiers}
+        self.pipes = {t.name: Pipe(t.read_bw, t.latency_s) for t in self.tiers[1:]}
+        self.host = Pipe(self.dep.accelerator.host_link_bw * self.dep.tp)
+        hbm_blocks = config.hbm_cache_blocks
+        if hbm_blocks is None:
+            hbm_blocks = self.dep.kv_capacity_tokens // config.block_tokens
+        self.hbm = BlockCache(hbm_blocks)
+        for name, ids in config.preload.items():
+            if name in self.caches:
+                for b in ids:
+                    self.caches[name].insert(b)
+        self.driver = _Driver(requests, config.concurrency)
+        self.n_requests = len(requests)
+        self.arrivals: list = []
+        self.seq = itertools.count()
+        self.now = 0.0
+        self.waiting: deque[_Req] = deque()
+        self.loading: list[_Req] = []
+        self.prefilling: list[_Req] = []
+        self.decoding: list[_Req] = []
+        self.decode_ctx = 0.0
+        self.reserved = 0
+        self.finished: list[_Req] = []
+        self.tokens_from: dict[str, int] = {"computed": 0, "hbm": 0} | {t.name: 0 for t in self.tiers}
+        self.stall_s = 0.0
+        self.steps = 0
+        self._recompute_cost: dict[tuple[int, int], float] = {}
+        self._early: dict[int, _Req] = {}
+
+    # ---- arrivals and the cache lookup ------------------------------------------------------------
+    def _push(self, t: float, req: Request) -> None:
+        heapq.heappush(self.arrivals, (t, next(self.seq), req))
+
+    def _lookup(self, st: _Req) -> None:
+        """Longest prefix of the prompt's blocks found in HBM or any tier, block by block."""
+        size = self.cfg.block_tokens
+        usable = (st.req.input_len - 1) // size  # the last token is always computed
+        st.prefix_blocks.clear()
+        for b in st.req.hash_ids[:usable]:
+            if b in self.hbm:
+                st.prefix_blocks.append((b, "hbm"))
+                continue
+            where = next((t.name for t in self.tiers if b in self.caches[t.name]), None)
+            if where is None:
+                break
+            st.prefix_blocks.append((b, where))
+        n_hbm = 0
+        while n_hbm < len(st.prefix_blocks) and st.prefix_blocks[n_hbm][1] == "hbm":
+            n_hbm += 1
+        st.hbm_tokens = n_hbm * size
+        st.ext_tokens = (len(st.prefix_blocks) - n_hbm) * size
+        st.ext_bytes_by_tier = {}
+        for _, where in st.prefix_blocks[n_hbm:]:
+            st.ext_bytes_by_tier[where] = st.ext_bytes_by_tier.get(where, 0.0) + size * self.kv_per_token
+
+    def _arrive(self, t: float, req: Request) -> None:
+        self.waiting.append(self._prepare(t, req))
+
+    def _prepare(self, t: float, req: Request) -> _Req:
+        st = _Req(req, submit=t)
+        self._lookup(st)
+        if self.cfg.load_vs_recompute and st.ext_tokens:
+            self._maybe_recompute(st)
+        if self.cfg.queue_aware_eviction and self.tiers:
+            self.caches[self.tiers[0].name].pin(b for b, _ in st.prefix_blocks)
+        if self.cfg.policy.fetches_early and st.ext_tokens:
+            self._fetch_to_dram(st, t)
+        return st
+
+    def _maybe_recompute(self, st: _Req) -> None:
+        """The load-vs-recompute rule: drop external hits whose transfer (at the tiers' bandwidth, not
+        counting queueing, which prefetch hides) would take longer than recomputing them."""
+        storage = sum(
+            b / self.pipes[n].bw + self.pipes[n].latency_s for n, b in st.ext_bytes_by_tier.items() if n in self.pipes
+        )
+        load = storage + sum(st.ext_bytes_by_tier.values()) / self.host.bw
+        key = (st.ext_tokens, st.hbm_tokens)
+        if key not in self._recompute_cost:
+            self._recompute_cost[key] = self.dep.prefill_time(st.ext_tokens, st.hbm_tokens)
+        if load > self._recompute_cost[key]:
+            st.ext_tokens, st.ext_bytes_by_tier = 0, {}
+            st.prefix_blocks = [p for p in st.prefix_blocks if p[1] == "hbm"]
+
+    def _fetch_to_dram(self, st: _Req, t: float) -> None:
+        done = t
+        for name, nbytes in st.ext_bytes_by_tier.items():
+            if name in self.pipes:
+                done = max(done, self.pipes[name].transfer(t, nbytes))
+        st.fetched_to_dram_at = done
+        if self.tiers:
+            dram = self.caches[self.tiers[0].name]
+            for b, where in st.prefix_blocks:
+                if where != "hbm":
+                    dram.insert(b)
+
+    # ---- admission and steps ----------------------------------------------------------------------
+    def _admit(self, st: _Req) -> None:
+        req = st.req
+        if self.cfg.queue_aware_eviction and self.tiers:
+            self.caches[self.tiers[0].name].unpin(b for b, _ in st.prefix_blocks)
+        if st.ext_tokens and st.fetched_to_dram_at is None:
+            self._fetch_to_dram(st, self.now)
+        ext = sum(st.ext_bytes_by_tier.values())
+        if self.cfg.policy is Policy.ONDEMAND_SYNC:
+            st.kv_ready = max(st.kv_ready, self.now)  # loaded while it held the queue head
+        else:
+            st.kv_ready = self.host.transfer(max(self.now, st.fetched_to_dram_at or 0.0), ext) if ext else self.now
+        st.offset = st.hbm_tokens + st.ext_tokens
+        st.remaining = req.input_len - st.offset
+        self.reserved += req.input_len + req.output_len
+        self.tokens_from["computed"] += st.remaining
+        for b, where in st.prefix_blocks:
+            self.tokens_from[where] += self.cfg.block_tokens
+            if where == "hbm":
+                self.hbm.touch(b)
+
+    def _can_admit(self, st: _Req) -> bool:
+        running = len(self.prefilling) + len(self.decoding) + len(self.loading)
+        need = st.req.input_len + st.req.output_len
+        return running < self.dep.max_seqs and (self.reserved + need <= self.dep.kv_capacity_tokens or running == 0)
+
+    def _plan(self) -> list[tuple[_Req, int]]:
+        budget = self.dep.token_budget - len(self.decoding)
+        plan: list[tuple[_Req, int]] = []
+        still = []
+        for st in self.loading:
+            if st.kv_ready <= self.now:
+                self.prefilling.append(st)
+            else:
+                still.append(st)
+        self.loading = still
+        for st in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(st.remaining, budget)
+            plan.append((st, n))
+            budget -= n
+        while budget > 0 and self.waiting and self._can_admit(self.waiting[0]):
+            head = self.waiting[0]
+            if self.cfg.policy is Policy.ONDEMAND_SYNC and head.ext_tokens:
+                if head.fetched_to_dram_at is None:
+                    self._start_sync_load(head)  # the scheduler reaches it: its load starts now
+                if head.kv_ready > self.now:
+                    break  # FCFS: nothing behind a loading head is admitted
+            st = self.waiting.popleft()
+            self._admit(st)
+            if st.kv_ready > self.now:
+                self.loading.append(st)
+                continue
+            self.prefilling.append(st)
+            n = min(st.remaining, budget)
+            plan.append((st, n))
+            budget -= n
+            if self.cfg.policy is Policy.ONDEMAND_SYNC and st.ext_tokens:
+                break  # the next request is reached on the scheduler's next pass, after this step
+        return plan
+
+    def _start_sync_load(self, st: _Req) -> None:
+        """On-demand load of the queue head: storage -> DRAM -> HBM, one request at a time."""
+        self._fetch_to_dram(st, self.now)
+        ext = sum(st.ext_bytes_by_tier.values())
+        st.kv_ready = self.host.transfer(max(self.now, st.fetched_to_dram_at or 0.0), ext)
+        self.stall_s += st.kv_ready - self.now
+
+    def _finish(self, st: _Req) -> None:
+        st.done = self.now
+        self.reserved -= st.req.input_len + st.req.output_len
+        self.finished.append(st)
+        nxt = self.driver.after(st.req, self.now)
+        if nxt is not None:
+            t, req = nxt
+            if self.cfg.policy is Policy.SESSION and req.session_id == st.req.session_id:
+                self._announce(req, t)
+            else:
+                self._push(t, req)
+
+    def _announce(self, req: Request, t: float) -> None:
+        """Session-aware prefetch: the next turn's KV starts moving now, the request itself arrives at t."""
+        self._early[id(req)] = self._prepare(self.now, req)
+        self._push(t, req)
+
+    def _store(self, st: _Req) -> None:
+        """After prefill the prompt's full blocks are in HBM and written through to every tier."""
+        full = st.req.input_len // self.cfg.block_tokens
+        for b in st.req.hash_ids[:full]:
+            self.hbm.insert(b)
+            for cache in self.caches.values():
+                cache.insert(b)
+
+    def _step(self, plan: list[tuple[_Req, int]]) -> None:
+        chunks = [(st.offset, n) for st, n in plan]
+        self.now += self.dep.step_time(chunks, len(self.decoding), self.decode_ctx)
+        self.steps += 1
+        self._advance_decodes(1)
+        for st, n in plan:
+            st.offset += n
+            st.remaining -= n
+            if st.remaining == 0:
+                self.prefilling.remove(st)
+                st.first_token = self.now
+                self._store(st)
+                st.left_out = st.req.output_len - 1
+                if st.left_out <= 0:
+                    self._finish(st)
+                else:
+                    self.decoding.append(st)
+                    self.decode_ctx += st.req.input_len + 1
+
+    def _advance_decodes(self, k: int) -> None:
+        if not self.decoding:
+            return
+        self.decode_ctx += k * len(self.decoding)
+        keep = []
+        for st in self.decoding:
+            st.left_out -= k
+            if st.left_out <= 0:
+                self.decode_ctx -= st.req.input_len + st.req.output_len
+                self._finish(st)
+            else:
+                keep.append(st)
+        self.decoding = keep
+
+    def _next_event(self) -> float:
+        times = [self.arrivals[0][0]] if self.arrivals else []
+        times += [st.kv_ready for st in self.loading]
+        if self.waiting and self.waiting[0].kv_ready > self.now:
+            times.append(self.waiting[0].kv_ready)  # a sync load at the queue head lands
+        return min(times, default=float("inf"))
+
+    def _fast_forward(self) -> None:
+        """Decode-only stretch: run up to the next completion or external event in one vectorized go."""
+        n = len(self.decoding)
+        k = min(st.left_out for st in self.decoding)
+        times = np.cumsum(self.dep.decode_steps(n, self.decode_ctx, k))
+        horizon = self._next_event() - self.now
+        if np.isfinite(horizon):
+            k = min(k, int(np.searchsorted(times, horizon)) + 1)
+        self.now += float(times[k - 1])
+        self.steps += k
+        self._advance_decodes(k)
+
+    def run(self) -> SimResult:
+        for t, req in self.driver.initial():
+            self._push(t, req)
+        while len(self.finished) < self.n_requests:
+            while self.arrivals and self.arrivals[0][0] <= self.now:
+                t, _, req = heapq.heappop(self.arrivals)
+                self._arrive_with_session(t, req)
+            plan = self._plan()
+            if plan:
+                self._step(plan)
+            elif self.decoding:
+                self._fast_forward()
+            else:
+                nxt = self._next_event()
+                if not np.isfinite(nxt):
+                    raise RuntimeError("simulation stalled with requests left")
+                self.now = max(self.now, nxt)
+        return self._result()
+
+    def _arrive_with_session(self, t: float, req: Request) -> None:
+        st = self._early.pop(id(req), None)
+        if st is None:
+            self._arrive(t, req)
+            return
+        st.submit = t  # fetched since the previous turn ended; queued only now
+        self.waiting.append(st)
+
+    def _result(self) -> SimResult:
+        done = sorted(self.finished, key=lambda s: s.submit)
+        bytes_read = {name: p.bytes_moved for name, p in self.pipes.items()} | {"host": self.host.bytes_moved}
+        return SimResult(
+            submit=np.array([s.submit for s in done]),
+            first_token=np.array([s.first_token for s in done]),
+            done=np.array([s.done for s in done]),
+            input_len=np.array([s.req.input_len for s in done]),
+            output_len=np.array([s.req.output_len for s in done]),
+            tokens_from=dict(self.tokens_from),
+            bytes_read=bytes_read,
+            stall_s=self.stall_s,
+            steps=self.steps,
+        )
+
+
+def simulate(config: SimConfig, requests: Sequence[Request]) -> SimResult:
+    """Run one simulation."""
+    return Simulator(config, requests).run()

@@ -1,0 +1,108 @@
+"""Free-form runs: any catalog model/accelerator/storage, a workload, several policies and concurrencies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvprefetch.sim.catalog import ACCELERATORS, MODELS, STORAGE, lookup
+from kvprefetch.sim.costs import Deployment
+from kvprefetch.sim.engine import SimConfig, simulate
+from kvprefetch.sim.policy import Policy
+from kvprefetch.sim.result import SimResult
+from kvprefetch.sim.scenarios import context_requests
+from kvprefetch.sim.tiers import TierSpec
+from kvprefetch.workload.mooncake import TraceScaling, read_mooncake_trace
+from kvprefetch.workload.request import BLOCK_TOKENS, Request
+from kvprefetch.workload.synthetic import ChatWorkload, generate_chat
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A deployment plus the tiers under it. `dram_gb=None` means unbounded host DRAM."""
+
+    model: str = "qwen3-coder-480b-fp8"
+    accelerator: str = "mi308x"
+    tp: int = 8
+    storage: str = "nvmeof-100gbe-raid0"
+    efficiency: float = 0.4
+    dram_gb: float | None = None
+    storage_bw: float | None = None
+
+    def deployment(self) -> Deployment:
+        return Deployment(
+            lookup(MODELS, self.model, "model"),
+            lookup(ACCELERATORS, self.accelerator, "accelerator"),
+            tp=self.tp,
+            efficiency=self.efficiency,
+        )
+
+    def tiers(self, dep: Deployment) -> tuple[TierSpec, ...]:
+        storage = lookup(STORAGE, self.storage, "storage")
+        block_bytes = BLOCK_TOKENS * dep.model.kv_bytes_per_token
+        dram_blocks = None if self.dram_gb is None else int(self.dram_gb * 1e9 / block_bytes)
+        return (
+            TierSpec("dram", dram_blocks, dep.accelerator.host_link_bw * dep.tp),
+            TierSpec(
+                storage.name,
+                int(storage.capacity_bytes / block_bytes),
+                self.storage_bw or storage.read_bw,
+                storage.latency_s,
+            ),
+        )
+
+
+def parse_workload(spec: str, concurrency: int, seed: int = 0) -> tuple[list[Request], bool]:
+    """`chat`, `context:CTX,NEW,OUT` or `trace:PATH`; returns the requests and whether storage starts
+    warm with every request's reusable prefix (true for `context`, the whitepaper's cold-read setup)."""
+    kind, _, arg = spec.partition(":")
+    if kind == "chat":
+        return generate_chat(ChatWorkload(sessions=4 * concurrency, concurrency=concurrency, seed=seed)), False
+    if kind == "context":
+        ctx, new, out = (int(x) for x in (arg or "16384,2048,128").split(","))
+        return context_requests(4 * concurrency, ctx, new, out), True
+    if kind == "trace":
+        return read_mooncake_trace(arg, TraceScaling(), seed=seed), False
+    raise ValueError(f"unknown workload {spec!r}: use chat, context:CTX,NEW,OUT or trace:PATH")
+
+
+def run_setup(setup: Setup, policy: Policy, workload: str, concurrency: int | None, seed: int = 0) -> SimResult:
+    dep = setup.deployment()
+    requests, warm = parse_workload(workload, concurrency or 1, seed)
+    tiers = setup.tiers(dep)
+    preload = {}
+    if warm:
+        stored = [b for r in requests for b in r.hash_ids[: (r.input_len - 1) // BLOCK_TOKENS]]
+        preload = {("dram" if policy is Policy.DRAM else tiers[1].name): stored}
+    closed = None if workload.startswith("trace") else concurrency
+    config = SimConfig(dep, policy, tiers, concurrency=closed, preload=preload)
+    return simulate(config, requests)
+
+
+def sweep_storage_bw(
+    setup: Setup,
+    workload: str,
+    concurrency: int,
+    bws_gbps: Sequence[float],
+    tolerance: float = 0.10,
+    progress: Callable[[], None] | None = None,
+) -> tuple[list[tuple[float, float, float]], float | None]:
+    """TTFT p50 of prefetch vs the all-in-DRAM bound at each storage bandwidth; the smallest bandwidth
+    where prefetch lands within `tolerance` of the bound is the one that hides storage latency."""
+    bound = run_setup(setup, Policy.DRAM, workload, concurrency).ttft_p(50)
+    rows, enough = [], None
+    for bw in sorted(bws_gbps):
+        s = Setup(**{**setup.__dict__, "storage_bw": bw * 1e9})
+        ttft = run_setup(s, Policy.PREFETCH, workload, concurrency).ttft_p(50)
+        rows.append((bw, ttft, bound))
+        if enough is None and ttft <= bound * (1 + tolerance):
+            enough = bw
+        if progress:
+            progress()
+    return rows, enough
+
+
+def default_bandwidths() -> list[float]:
+    return [float(x) for x in np.round(np.geomspace(0.25, 50, 12), 2)]

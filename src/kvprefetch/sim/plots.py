@@ -1,0 +1,63 @@
+"""PNG plots (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+def ttft_vs_concurrency(series: Mapping[str, Mapping[int, float]], path: str | Path, title: str = "") -> Path:
+    """One line per policy: TTFT p50 against concurrency."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy, points in series.items():
+        xs = sorted(points)
+        ax.plot(xs, [points[x] for x in xs], marker="o", label=policy)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("TTFT p50 (s)")
+    ax.set_title(title or "TTFT p50 vs concurrency")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def hit_ratio_vs_capacity(
+    simulated: Mapping[int | None, float], published: Mapping[int | None, float], path: str | Path, title: str = ""
+) -> Path:
+    """Hit ratio against pool capacity in blocks; the unbounded point is drawn at the right edge."""
+    bounded = sorted(c for c in simulated if c is not None)
+    edge = (max(bounded) * 2) if bounded else 1
+
+    def x(c):
+        return edge if c is None else c
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(
+        [x(c) for c in [*bounded, None] if c in simulated],
+        [simulated[c] for c in [*bounded, None] if c in simulated],
+        marker="o",
+        label="simulated (LRU)",
+    )
+    if published:
+        pts = sorted(published, key=x)
+        ax.plot([x(c) for c in pts], [published[c] for c in pts], "s", label="published")
+    ax.set_xscale("log")
+    ax.set_xlabel("cache capacity (blocks; rightmost = unbounded)")
+    ax.set_ylabel("hit ratio")
+    ax.set_title(title or "prefix hit ratio vs capacity")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def _save(fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,74 @@
+"""Validation rows `{scenario, metric, published, simulated, error_pct, fitted}`: build, print, save."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from kvprefetch.sim.hitratio import hit_ratio, published_for
+from kvprefetch.sim.scenarios import FIT, PUBLISHED, WhitepaperFit, simulate_metric
+from kvprefetch.workload.request import Request
+
+
+@dataclass(frozen=True)
+class Row:
+    scenario: str
+    metric: str
+    published: float
+    simulated: float
+    error_pct: float
+    fitted: bool
+    note: str = ""
+
+
+def _row(scenario: str, metric: str, published: float, simulated: float, fitted: bool, note: str = "") -> Row:
+    error = 100.0 * (simulated - published) / published
+    return Row(scenario, metric, published, simulated, error, fitted, note)
+
+
+def whitepaper_rows(
+    scenarios: Iterable[str], fit: WhitepaperFit = FIT, progress: Callable[[], None] | None = None
+) -> list[Row]:
+    """Simulated vs published for every whitepaper figure of the given scenarios."""
+    wanted = set(scenarios)
+    rows = []
+    for p in PUBLISHED:
+        if p.scenario in wanted:
+            rows.append(_row(p.scenario, p.metric, p.value, simulate_metric(p, fit), p.fitted, p.note))
+            if progress:
+                progress()
+    return rows
+
+
+def mooncake_rows(requests: Sequence[Request], trace_name: str) -> list[Row]:
+    """Hit ratio vs capacity at every capacity the trace's paper published (none are fitted)."""
+    rows = []
+    for capacity, value in published_for(trace_name).items():
+        label = "unbounded" if capacity is None else f"{capacity} blocks"
+        rows.append(_row("mooncake", f"hit_ratio {label}", value, hit_ratio(requests, capacity), False))
+    return rows
+
+
+def print_rows(rows: Sequence[Row], console: Console | None = None) -> None:
+    table = Table(title="simulated vs published")
+    for col in ("scenario", "metric", "published", "simulated", "error %", "fitted"):
+        table.add_column(col, justify="right" if col not in ("scenario", "metric") else "left")
+    for r in rows:
+        table.add_row(
+            r.scenario,
+            r.metric,
+            f"{r.published:.3g}",
+            f"{r.simulated:.3g}",
+            f"{r.error_pct:+.1f}",
+            "yes" if r.fitted else "",
+        )
+    (console or Console()).print(table)
+
+
+def write_json(rows: Sequence[Row], path: str | Path) -> None:
+    Path(path).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")

@@ -1,0 +1,83 @@
+"""Cache tiers below HBM: which blocks each holds (LRU, optionally pinning queued requests' blocks) and
+a FIFO pipe that turns bytes into arrival times."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """A tier's capacity (in 512-token-class blocks; None = unbounded), read bandwidth and latency."""
+
+    name: str
+    capacity_blocks: int | None
+    read_bw: float
+    latency_s: float = 0.0
+
+
+@dataclass
+class Pipe:
+    """A FIFO transfer channel: requests are served one after another at full bandwidth."""
+
+    bw: float
+    latency_s: float = 0.0
+    free_at: float = 0.0
+    bytes_moved: float = 0.0
+
+    def transfer(self, start: float, nbytes: float) -> float:
+        """Reserve the channel for `nbytes` from `start` on; returns when the last byte lands."""
+        if nbytes <= 0:
+            return start
+        begin = max(start, self.free_at)
+        self.free_at = begin + nbytes / self.bw
+        self.bytes_moved += nbytes
+        return self.free_at + self.latency_s
+
+    def estimate(self, start: float, nbytes: float) -> float:
+        """When a transfer would finish, without reserving anything."""
+        return max(start, self.free_at) + nbytes / self.bw + self.latency_s
+
+
+@dataclass
+class BlockCache:
+    """LRU set of block ids. Pinned ids (blocks of queued requests) are skipped by eviction."""
+
+    capacity: int | None
+    blocks: OrderedDict = field(default_factory=OrderedDict)
+    pins: dict[int, int] = field(default_factory=dict)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self.blocks
+
+    def touch(self, block: int) -> None:
+        """Mark as just used (re-inserting it if it was evicted since the lookup)."""
+        self.insert(block)
+
+    def insert(self, block: int) -> None:
+        if block in self.blocks:
+            self.blocks.move_to_end(block)
+            return
+        self.blocks[block] = None
+        if self.capacity is not None and len(self.blocks) > self.capacity:
+            self._evict_one()
+
+    def _evict_one(self) -> None:
+        for victim in self.blocks:
+            if victim not in self.pins:
+                del self.blocks[victim]
+                return
+        self.blocks.popitem(last=False)  # everything pinned: plain LRU
+
+    def pin(self, blocks) -> None:
+        for b in blocks:
+            self.pins[b] = self.pins.get(b, 0) + 1
+
+    def unpin(self, blocks) -> None:
+        for b in blocks:
+            left = self.pins.get(b, 0) - 1
+            if left > 0:
+                self.pins[b] = left
+            else:
+                self.pins.pop(b, None)

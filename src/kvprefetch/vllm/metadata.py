@@ -1,0 +1,68 @@
+"""What the scheduler-side connector tells the workers each step, and what the workers report back.
+
+Plain dataclasses of ints and bytes: vLLM pickles them between processes when the executor is multi-process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvprefetch.vllm.compat import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+
+@dataclass
+class LoadJob:
+    """Copy chunks ``keys`` from the store into blocks ``block_ids[i]`` (per chunk; -1 = block already there)."""
+
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[list[int]]
+    is_async: bool  # True: load between steps, report via get_finished; False: this step, layer by layer
+    cancelled: bool = False  # the request finished first: copy nothing, just report it finished
+
+
+@dataclass
+class SaveJob:
+    """Copy whole chunks out of blocks ``block_ids[i]`` and put them into the store under ``keys``."""
+
+    job_id: int
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[list[int]]
+
+
+@dataclass
+class KVPrefetchMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+    # Finished requests whose blocks the scheduler holds until their saves are done (request_finished -> True).
+    await_saves: list[str] = field(default_factory=list)
+    # Requests preempted this step: their blocks may be reused, so in-flight saves from them must finish first.
+    preempted: list[str] = field(default_factory=list)
+    step_tokens: int = 0  # tokens this step computes (the worker times the forward: prefill speed)
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.saves or self.await_saves or self.preempted)
+
+
+@dataclass
+class KVPrefetchWorkerMeta(KVConnectorWorkerMetadata):
+    """Per step, from each worker: save jobs whose source blocks are no longer needed (count of workers done)."""
+
+    saves_done: dict[int, int] = field(default_factory=dict)
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    step_tokens: int = 0
+    forward_seconds: float = 0.0
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVPrefetchWorkerMeta)
+        out = KVPrefetchWorkerMeta(
+            dict(self.saves_done), self.load_bytes, self.load_seconds, self.step_tokens, self.forward_seconds
+        )
+        for k, v in other.saves_done.items():
+            out.saves_done[k] = out.saves_done.get(k, 0) + v
+        out.load_bytes += other.load_bytes
+        out.load_seconds = max(out.load_seconds, other.load_seconds)
+        out.forward_seconds = max(out.forward_seconds, other.forward_seconds)
+        return out

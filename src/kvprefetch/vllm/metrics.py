@@ -1,0 +1,204 @@
+"""The connector's counters: Prometheus export and a one-line log summary.
+
+Each connector instance (scheduler side, every worker) counts into a `ConnectorCounters`. Export:
+
+* ``metrics_port``: the scheduler process serves ``/metrics`` (prometheus_client) on that port with the sum
+  of every process's counters plus the store's bytes/latency per tier and I/O class.
+* ``metrics_dir``: every process writes its snapshot there (JSON, atomically, every ``log_interval_s`` and at
+  shutdown); the exporter sums the files, which is how worker-side counters reach the scheduler's port.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("kvprefetch.vllm")
+
+COUNTERS: dict[str, str] = {
+    "prefetched_chunks": "Chunks whose disk->DRAM read started on request arrival (or on demand, prefetch off).",
+    "prefetch_in_time": "Requests whose prefetched chunks were all in DRAM when the scheduler reached them.",
+    "prefetch_late": "Requests the scheduler reached while their prefetch was still in flight.",
+    "prefetch_cancelled_chunks": "Prefetch reads cancelled because their request finished first.",
+    "demand_reads": "Requests whose disk reads started only when the scheduler reached them.",
+    "loaded_chunks": "Chunks planned for loading into the engine (sync and async).",
+    "sync_loads": "Requests loaded inside the forward pass (layer by layer).",
+    "async_loads": "Requests loaded between steps (chunks had to come up from disk).",
+    "layer_load_waits": "Times an attention layer waited on the connector for its layer's KV (layer-wise loads).",
+    "worker_loaded_chunks": "Chunks copied into the engine's paged KV by the workers.",
+    "load_error_chunks": "Chunks that failed to load (reported to vLLM, recomputed).",
+    "load_error_blocks": "KV blocks reported to vLLM as failed loads.",
+    "recomputed_slower_chunks": "Hit chunks recomputed because loading them was estimated slower.",
+    "saved_chunks": "Whole chunks planned for saving to the store.",
+    "worker_saved_chunks": "Chunks copied out of the engine into the store by the workers.",
+    "save_errors": "Save jobs that failed (the chunks are simply not cached).",
+}
+
+_live: weakref.WeakSet[ConnectorCounters] = weakref.WeakSet()
+
+
+class ConnectorCounters:
+    def __init__(self, role: str):
+        self.role = role
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(COUNTERS, 0)
+        _live.add(self)
+
+    def inc(self, name: str, n: int = 1) -> None:
+        if name not in COUNTERS:
+            raise KeyError(name)
+        with self._lock:
+            self._values[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+
+def snapshot_all() -> dict[str, int]:
+    """Sum of every live connector's counters in this process (scheduler and worker sides)."""
+    total = dict.fromkeys(COUNTERS, 0)
+    for c in list(_live):
+        for k, v in c.snapshot().items():
+            total[k] += v
+    return total
+
+
+def summary_line(values: dict[str, int]) -> str:
+    keys = [
+        ("prefetched_chunks", "prefetched"),
+        ("prefetch_in_time", "in_time"),
+        ("prefetch_late", "late"),
+        ("prefetch_cancelled_chunks", "cancelled"),
+        ("loaded_chunks", "loaded"),
+        ("recomputed_slower_chunks", "recomputed_slower"),
+        ("load_error_chunks", "load_errors"),
+        ("saved_chunks", "saved"),
+    ]
+    return "kvprefetch: " + " ".join(f"{short}={values.get(k, 0)}" for k, short in keys)
+
+
+class Reporter:
+    """Periodic summary line, snapshot files and (scheduler side) the Prometheus endpoint."""
+
+    def __init__(
+        self,
+        counters: ConnectorCounters,
+        store_stats: Callable[[], dict[str, Any]] | None,
+        *,
+        interval_s: float,
+        metrics_dir: str | None,
+        metrics_port: int | None,
+        serve: bool,
+    ):
+        self.counters = counters
+        self.store_stats = store_stats
+        self.interval_s = interval_s
+        self.dir = Path(metrics_dir) if metrics_dir else None
+        self._last = time.monotonic()
+        self._file = None
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._file = self.dir / f"kvprefetch-{counters.role}-{os.getpid()}-{id(self):x}.json"
+        self.registry = None
+        if serve:
+            self.registry = self._make_registry()
+            if metrics_port:
+                from prometheus_client import start_http_server
+
+                start_http_server(metrics_port, registry=self.registry)
+                log.info("kvprefetch: Prometheus metrics on port %d", metrics_port)
+
+    # -- periodic ---------------------------------------------------------------------------------------------
+    def tick(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and (self.interval_s <= 0 or now - self._last < self.interval_s):
+            return
+        self._last = now
+        if self._file is not None:
+            self._write_snapshot()
+        if self.registry is not None and self.interval_s > 0:
+            log.info(summary_line(self.aggregate()))
+
+    def _write_snapshot(self) -> None:
+        assert self._file is not None
+        data = {"counters": self.counters.snapshot(), "store": self._store_stats()}
+        tmp = self._file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, self._file)
+
+    def close(self) -> None:
+        try:
+            if self._file is not None:
+                self._write_snapshot()
+        except OSError:
+            pass
+
+    def _store_stats(self) -> dict[str, Any]:
+        if self.store_stats is None:
+            return {}
+        try:
+            return self.store_stats()
+        except Exception:
+            return {}
+
+    # -- aggregation + export ---------------------------------------------------------------------------------
+    def aggregate(self) -> dict[str, int]:
+        """This process's counters, plus the other processes' snapshot files when metrics_dir is set."""
+        total = snapshot_all()
+        if self.dir is not None:
+            for f in self.dir.glob("kvprefetch-*.json"):
+                if str(os.getpid()) in f.name.split("-"):
+                    continue  # this process's live counters are already in
+                try:
+                    other = json.loads(f.read_text())["counters"]
+                except (OSError, ValueError, KeyError):
+                    continue
+                for k, v in other.items():
+                    if k in total:
+                        total[k] += int(v)
+        return total
+
+    def _make_registry(self):
+        from prometheus_client import CollectorRegistry
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        reporter = self
+
+        class _Collector:
+            def collect(self):
+                for name, value in reporter.aggregate().items():
+                    c = CounterMetricFamily(f"kvprefetch_{name}", COUNTERS[name])
+                    c.add_metric([], value)
+                    yield c
+                io = (reporter._store_stats() or {}).get("io") or {}
+                b = CounterMetricFamily(
+                    "kvprefetch_store_io_bytes", "Bytes moved per tier and class.", labels=["tier", "cls"]
+                )
+                s = CounterMetricFamily(
+                    "kvprefetch_store_io_busy_seconds", "I/O time per tier and class.", labels=["tier", "cls"]
+                )
+                q = GaugeMetricFamily(
+                    "kvprefetch_store_io_queued", "Queued I/Os per tier and class.", labels=["tier", "cls"]
+                )
+                lat = GaugeMetricFamily(
+                    "kvprefetch_store_io_latency_p50_seconds", "Recent median latency.", labels=["tier", "cls"]
+                )
+                for key, st in io.items():
+                    tier, _, cls = key.partition("/")
+                    b.add_metric([tier, cls], float(st.get("bytes", 0)))
+                    s.add_metric([tier, cls], float(st.get("busy_seconds", 0)))
+                    q.add_metric([tier, cls], float(st.get("queued", 0)))
+                    lat.add_metric([tier, cls], float(st.get("latency_p50_s", 0)))
+                yield from (b, s, q, lat)
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Collector())
+        return registry

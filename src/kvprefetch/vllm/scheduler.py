@@ -1,0 +1,330 @@
+"""Scheduler-side half of the connector: lookup, prefetch on arrival, the load plan, save bookkeeping.
+
+Runs in vLLM's scheduler (engine-core) process, where requests arrive. Life of a request:
+
+1. ``on_new_request``: key its whole chunks, look them up and, with prefetch on, start reading its disk hits
+   into the shared DRAM pool at once, in arrival order, while it waits behind other requests.
+2. ``get_num_new_matched_tokens`` (when the scheduler reaches it): the hit beyond the engine's own prefix
+   cache, trimmed by the cost model to what loads faster than it recomputes. All of it in DRAM: a synchronous,
+   layer-wise load in this step's forward. Some still on disk or in flight: an asynchronous load; the request
+   waits (``WAITING_FOR_REMOTE_KVS``) without blocking the others, and is handed to the worker once its
+   chunks are in DRAM.
+3. ``build_connector_meta`` each step: the loads that are ready, and the saves of every whole chunk that
+   the step completes (prompt and generated tokens).
+4. ``request_finished``: hold the blocks (True) only while a save from them may still be reading them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvprefetch.keys import ChunkKeyer
+from kvprefetch.vllm.costmodel import CostModel
+from kvprefetch.vllm.metadata import KVPrefetchMetadata, KVPrefetchWorkerMeta, LoadJob, SaveJob
+from kvprefetch.vllm.metrics import ConnectorCounters
+from kvprefetch.vllm.settings import ConnectorSettings
+
+
+def _is_dram(tier: Any) -> bool:
+    return str(getattr(tier, "value", tier)).lower() == "dram"
+
+
+@dataclass
+class _Req:
+    req_id: str
+    request: Any
+    keys: list[bytes] = field(default_factory=list)
+    keyed_tokens: int = 0
+    prefetch: Any = None  # PrefetchHandle from arrival (or from reaching the request, prefetch off)
+    prefetch_chunks: int = 0
+    prefetch_t0: float = 0.0
+    arrival_in_dram: int = 0
+    planned: tuple[int, int, bool] | None = None  # (first chunk, chunks to load, async) from the last query
+    pending_load: LoadJob | None = None  # async load waiting for its chunks to reach DRAM
+    pinned: list[bytes] = field(default_factory=list)
+    saved_chunks: int = 0  # leading chunks known to be in the store (loaded, present or saved)
+    saves_inflight: set[int] = field(default_factory=set)
+    reached: bool = False
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        keyer: ChunkKeyer,
+        store: Any,
+        block_size: int,
+        blocks_per_chunk: int,
+        chunk_bytes: int,
+        world_size: int,
+        counters: ConnectorCounters,
+        get_block_ids: Callable[[str], list[int]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.s = settings
+        self.keyer = keyer
+        self.store = store
+        self.block_size = block_size
+        self.bpc = blocks_per_chunk
+        self.C = keyer.chunk_tokens
+        self.chunk_bytes = chunk_bytes
+        self.world_size = world_size
+        self.counters = counters
+        self.get_block_ids = get_block_ids
+        self.clock = clock
+        self.cost = CostModel(
+            chunk_bytes,
+            self.C,
+            disk_bps=settings.disk_bps_prior or float(settings.store.io.read_rate_limit_bps or 1e9),
+            prefill_tps=settings.prefill_tps_prior,
+            margin=settings.load_margin,
+        )
+        self.reqs: dict[str, _Req] = {}
+        self._sync_loads: list[LoadJob] = []
+        self._unpin_next: list[_Req] = []
+        self._await_saves: list[str] = []
+        self._save_owner: dict[int, tuple[str, int]] = {}  # job id -> (req id, workers done)
+        self._next_job = 1
+        self._disk_busy_until = 0.0
+
+    # ---- keys -----------------------------------------------------------------------------------------------
+    def _keys(self, st: _Req, num_tokens: int) -> list[bytes]:
+        n = num_tokens // self.C
+        if len(st.keys) < n:
+            tokens = list(st.request.all_token_ids[: n * self.C])
+            st.keys = self.keyer.keys(tokens)
+        return st.keys[:n]
+
+    def _state(self, request: Any) -> _Req:
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            st = self.reqs[request.request_id] = _Req(request.request_id, request)
+        return st
+
+    # ---- arrival --------------------------------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        st = self._state(request)
+        if not self.s.prefetch or self.s.load_policy == "never":
+            return
+        keys = self._keys(st, len(request.prompt_token_ids or ()))
+        if not keys:
+            return
+        hit = self.store.lookup(keys)
+        st.arrival_in_dram = sum(1 for t in hit.tiers if _is_dram(t))
+        if hit.num_hit_chunks > st.arrival_in_dram:
+            self._start_prefetch(st, keys[: hit.num_hit_chunks], hit.num_hit_chunks - st.arrival_in_dram)
+
+    def _start_prefetch(self, st: _Req, keys: list[bytes], disk_chunks: int) -> None:
+        st.prefetch = self.store.prefetch(keys)
+        st.prefetch_chunks = len(getattr(st.prefetch, "tickets", {}) or {}) or disk_chunks
+        st.prefetch_t0 = self.clock()
+        self.counters.inc("prefetched_chunks", st.prefetch_chunks)
+
+    def _observe_prefetch_done(self, st: _Req) -> None:
+        """Disk throughput from a finished prefetch: its bytes over the time the tier spent on it."""
+        if st.prefetch is None or st.prefetch_chunks == 0:
+            return
+        now = self.clock()
+        start = max(st.prefetch_t0, self._disk_busy_until)
+        self._disk_busy_until = now
+        self.cost.observe_disk(st.prefetch_chunks * self.chunk_bytes, now - start)
+        st.prefetch_chunks = 0
+
+    def _queued_disk_bytes(self, exclude: str) -> int:
+        n = 0
+        for rid, st in self.reqs.items():
+            if rid != exclude and st.prefetch is not None and st.prefetch_chunks and not st.prefetch.done():
+                n += st.prefetch_chunks
+        return n * self.chunk_bytes
+
+    # ---- reaching the request -------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._state(request)
+        st.planned = None
+        if self.s.load_policy == "never":
+            return 0, False
+        # At least one token must be computed to produce logits: never hit the whole sequence.
+        keys = self._keys(st, max(request.num_tokens - 1, 0))
+        if not keys:
+            return 0, False
+        hit = self.store.lookup(keys)
+        n_hit = hit.num_hit_chunks
+        first = num_computed_tokens // self.C  # chunks fully on the engine already
+        if not st.reached:
+            st.reached = True
+            if st.prefetch is not None and st.prefetch_chunks:
+                if st.prefetch.done():
+                    self.counters.inc("prefetch_in_time")
+                    self._observe_prefetch_done(st)
+                else:
+                    self.counters.inc("prefetch_late")
+        if n_hit * self.C <= num_computed_tokens:
+            return 0, False
+        on_disk = [not _is_dram(t) for t in hit.tiers]
+        if self.s.load_policy == "always":
+            k = n_hit
+        else:
+            plan = self.cost.plan(on_disk, first, self._queued_disk_bytes(st.req_id))
+            k = plan.load_chunks
+            if plan.skipped_slower:
+                self.counters.inc("recomputed_slower_chunks", plan.skipped_slower)
+        if k * self.C <= num_computed_tokens:
+            return 0, False
+        is_async = any(on_disk[first:k])
+        st.planned = (first, k, is_async)
+        return k * self.C - num_computed_tokens, is_async
+
+    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        st = self._state(request)
+        planned, st.planned = st.planned, None
+        if num_external_tokens <= 0 or planned is None:
+            return
+        _, k, is_async = planned
+        start_tok = k * self.C - num_external_tokens  # the engine's own (block-aligned) prefix hit ends here
+        first = start_tok // self.C
+        keys = st.keys[first:k]
+        per_chunk: list[list[int]] = []
+        for c in range(first, k):
+            ids = []
+            for j in range(self.bpc):
+                b = c * self.bpc + j
+                ids.append(int(block_ids[b]) if b * self.block_size >= start_tok else -1)
+            per_chunk.append(ids)
+        job = LoadJob(request.request_id, keys, per_chunk, is_async)
+        pinned = self.store.pin(keys)
+        st.pinned = [key for key, ok in zip(keys, pinned, strict=True) if ok]
+        st.saved_chunks = max(st.saved_chunks, k)
+        self.counters.inc("loaded_chunks", len(keys))
+        if is_async:
+            if st.prefetch is None or not st.prefetch_chunks:
+                # Prefetch off (or nothing was in flight): the read starts now that the scheduler is here.
+                self._start_prefetch(st, keys, len(keys))
+                self.counters.inc("demand_reads", 1)
+            st.pending_load = job
+        else:
+            self._sync_loads.append(job)
+
+    # ---- each step ------------------------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: Any) -> KVPrefetchMetadata:
+        # Last step's synchronous loads have run: their DRAM pins can go.
+        for st in self._unpin_next:
+            self._unpin(st)
+        self._unpin_next = []
+        meta = KVPrefetchMetadata(loads=self._sync_loads)
+        self._sync_loads = []
+        for job in meta.loads:
+            st = self.reqs.get(job.req_id)
+            if st is not None:
+                self._unpin_next.append(st)
+        for st in self.reqs.values():
+            job = st.pending_load
+            if job is not None and (st.prefetch is None or st.prefetch.done()):
+                self._observe_prefetch_done(st)
+                # Pin what reached DRAM so nothing evicts it before the worker copies it out.
+                more = self.store.pin([k for k in job.keys if k not in st.pinned])
+                st.pinned += [k for k, ok in zip([k for k in job.keys if k not in st.pinned], more, strict=True) if ok]
+                meta.loads.append(job)
+                st.pending_load = None
+        if self.s.save:
+            self._plan_saves(scheduler_output, meta)
+        meta.await_saves, self._await_saves = self._await_saves, []
+        # Preempted requests lose their blocks at once: the worker must finish reading them before the step
+        # reuses them. (preempted_req_ids is only filled for some model runners: check the status too.)
+        pre = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        meta.preempted = [
+            rid
+            for rid, st in self.reqs.items()
+            if st.saves_inflight and (rid in pre or "PREEMPTED" in str(getattr(st.request, "status", "")))
+        ]
+        meta.step_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
+        return meta
+
+    def _plan_saves(self, so: Any, meta: KVPrefetchMetadata) -> None:
+        progress: list[tuple[str, int]] = []
+        for nr in so.scheduled_new_reqs:
+            progress.append((nr.req_id, nr.num_computed_tokens + so.num_scheduled_tokens.get(nr.req_id, 0)))
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            progress.append((rid, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0)))
+        for rid, done_tokens in progress:
+            st = self.reqs.get(rid)
+            if st is None:
+                continue
+            full = min(done_tokens, st.request.num_tokens) // self.C
+            if full <= st.saved_chunks:
+                continue
+            keys = self._keys(st, full * self.C)[st.saved_chunks : full]
+            present = self.store.lookup(keys).num_hit_chunks
+            first = st.saved_chunks + present
+            st.saved_chunks = full
+            if first >= full or self.get_block_ids is None:
+                continue
+            blocks = self.get_block_ids(rid)
+            if len(blocks) < full * self.bpc:
+                continue
+            job = SaveJob(
+                self._next_job,
+                rid,
+                keys[present:],
+                [[int(b) for b in blocks[c * self.bpc : (c + 1) * self.bpc]] for c in range(first, full)],
+            )
+            self._next_job += 1
+            st.saves_inflight.add(job.job_id)
+            self._save_owner[job.job_id] = (rid, 0)
+            meta.saves.append(job)
+            self.counters.inc("saved_chunks", len(job.keys))
+
+    def update_connector_output(self, output: Any) -> None:
+        wm = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(wm, KVPrefetchWorkerMeta):
+            for job_id, n in wm.saves_done.items():
+                owner = self._save_owner.get(job_id)
+                if owner is None:
+                    continue
+                rid, done = owner[0], owner[1] + n
+                if done >= self.world_size:
+                    del self._save_owner[job_id]
+                    st = self.reqs.get(rid)
+                    if st is not None:
+                        st.saves_inflight.discard(job_id)
+                else:
+                    self._save_owner[job_id] = (rid, done)
+            if wm.load_bytes and wm.load_seconds:
+                self.cost.observe_copy(wm.load_bytes, wm.load_seconds)
+            if wm.step_tokens and wm.forward_seconds:
+                self.cost.observe_prefill(wm.step_tokens, wm.forward_seconds)
+        for rid in getattr(output, "finished_recving", None) or ():
+            st = self.reqs.get(rid)
+            if st is not None:
+                self._unpin(st)
+
+    def _unpin(self, st: _Req) -> None:
+        if st.pinned:
+            self.store.unpin(st.pinned)
+            st.pinned = []
+
+    # ---- the end --------------------------------------------------------------------------------------------
+    def request_finished(self, request: Any) -> bool:
+        st = self.reqs.pop(request.request_id, None)
+        if st is None:
+            return False
+        if st.prefetch is not None and not st.prefetch.done() and hasattr(st.prefetch, "cancel"):
+            n = st.prefetch.cancel()
+            if n:
+                self.counters.inc("prefetch_cancelled_chunks", n)
+        if st.pending_load is not None:
+            # vLLM frees this request's blocks only once a worker reports the load finished: hand the job
+            # over, marked cancelled, so the worker reports it without copying.
+            st.pending_load.cancelled = True
+            self._sync_loads.append(st.pending_load)
+            st.pending_load = None
+            self._unpin(st)
+            return False
+        self._unpin(st)
+        if st.saves_inflight:
+            self._await_saves.append(st.req_id)
+            return True
+        return False

@@ -1,0 +1,92 @@
+"""Real servers for tests: redis-server and mooncake_master on free loopback ports, started and stopped here."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+
+
+class RedisServer:
+    """A throwaway redis-server (no persistence) that tests may kill and restart on the same port."""
+
+    def __init__(self, workdir: Path, *extra: str):
+        self.exe = shutil.which("redis-server")
+        if self.exe is None:
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server; `make setup` does)")
+        self.port, self.workdir, self.extra = free_port(), workdir, extra
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        cmd = [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+               "--dir", str(self.workdir), *self.extra]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_port(self.port)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+class MooncakeMaster:
+    """mooncake_master with its embedded HTTP metadata server, on loopback."""
+
+    def __init__(self, workdir: Path, *extra: str):
+        exe = Path(sys.executable).with_name("mooncake_master")
+        if not exe.exists():
+            raise RuntimeError("mooncake_master is not installed (pip install mooncake-transfer-engine-non-cuda)")
+        self.exe, self.workdir, self.extra = exe, workdir, extra
+        self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def master(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_server(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/metadata"
+
+    def start(self) -> None:
+        cmd = [str(self.exe), f"-rpc_port={self.rpc_port}", "-enable_http_metadata_server=true",
+               f"-http_metadata_server_port={self.http_port}", "-http_metadata_server_host=127.0.0.1",
+               f"-metrics_port={self.metrics_port}", "-rpc_address=127.0.0.1", *self.extra]  # fmt: skip
+        env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1")
+        log = open(self.workdir / "mooncake_master.log", "ab")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
+        wait_port(self.rpc_port)
+        wait_port(self.http_port)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None

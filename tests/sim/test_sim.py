@@ -1,0 +1,163 @@
+"""Simulator invariants, validation scenarios and speed."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvprefetch.sim.calibration import EXAMPLE, predict_bench_ttft
+from kvprefetch.sim.catalog import ACCELERATORS, MODELS
+from kvprefetch.sim.costs import Deployment
+from kvprefetch.sim.engine import SimConfig, simulate
+from kvprefetch.sim.freeform import Setup, run_setup
+from kvprefetch.sim.hitratio import hit_ratio_curve
+from kvprefetch.sim.policy import Policy
+from kvprefetch.sim.report import mooncake_rows, whitepaper_rows
+from kvprefetch.sim.scenarios import FIT, FITTED_BY, PUBLISHED, context_requests, run_whitepaper
+from kvprefetch.sim.tiers import TierSpec
+from kvprefetch.workload import ChatWorkload, generate_chat, read_mooncake_trace
+
+TRACE = Path(__file__).resolve().parents[2] / "../shared/data/mooncake/synthetic_trace.jsonl"
+
+# |error %| allowed on every predicted (non-fitted) row. The project goal is 15%; the rows that cannot get
+# there carry the reason in their `note` (scenarios.C8_NOTE, GAIN_NOTE, R1_NOTE) and an honest bound here.
+TOLERANCE_PCT = {"mooncake": 5.0, "seed-r1": 15.0, "seed-r2": 15.0, "seed-r2-recompute": 15.0, "seed-r3": 15.0}
+ROW_TOLERANCE_PCT = {
+    ("seed-r2", "ttft_p50_s ondemand-sync c8"): 20.0,
+    ("seed-r2", "ttft_p50_s prefetch c8"): 26.0,
+    ("seed-r2", "throughput_gain_pct c16"): 17.0,
+    ("seed-r1", "ttft_p50_s 5.23GB/s"): 32.0,
+}
+FITTED_TOLERANCE_PCT = 3.0  # fitted rows must still match after any model change (refit otherwise)
+
+
+def _context_run(policy: Policy, conc: int, bw: float = 5e9, ctx: int = 16384) -> object:
+    dep = Deployment(MODELS["qwen3-coder-480b-fp8"], ACCELERATORS["mi308x"], tp=8, efficiency=0.05)
+    reqs = context_requests(3 * conc, ctx, 1024, 64)
+    stored = [b for r in reqs for b in r.hash_ids[: ctx // 512]]
+    tiers = (TierSpec("dram", None, 400e9), TierSpec("nvme", None, bw, 1e-4))
+    cfg = SimConfig(
+        dep, policy, tiers, concurrency=conc, preload={"nvme": stored}, load_vs_recompute=False, hbm_cache_blocks=0
+    )
+    return simulate(cfg, reqs)
+
+
+@settings(max_examples=8, deadline=None)
+@given(conc=st.sampled_from([2, 8, 16]), bw=st.floats(0.5e9, 20e9), factor=st.floats(1.1, 8.0))
+def test_more_bandwidth_is_never_slower(conc, bw, factor):
+    # Judged on the whole run: in a closed loop, faster clients resubmit sooner, so TTFT alone can rise.
+    for policy in (Policy.PREFETCH, Policy.ONDEMAND_SYNC):
+        slow, fast = _context_run(policy, conc, bw), _context_run(policy, conc, bw * factor)
+        assert fast.makespan <= slow.makespan * 1.01
+        assert fast.output_tok_s >= slow.output_tok_s * 0.99
+
+
+@pytest.mark.parametrize("conc", [1, 4, 16])
+@pytest.mark.parametrize("bw", [1e9, 5e9])
+def test_prefetch_is_never_slower_than_on_demand(conc, bw):
+    # Against sync loading only the whole run is compared: stalled decodes slow sync clients down, which
+    # in a closed loop lowers the load on storage and can make its TTFT look better at lower throughput.
+    pf = _context_run(Policy.PREFETCH, conc, bw)
+    od = _context_run(Policy.ONDEMAND, conc, bw)
+    assert pf.ttft_p(50) <= od.ttft_p(50) * 1.01
+    for other in (od, _context_run(Policy.ONDEMAND_SYNC, conc, bw)):
+        assert pf.makespan <= other.makespan * 1.01
+
+
+def test_sync_loading_stalls_and_async_does_not():
+    assert _context_run(Policy.ONDEMAND_SYNC, 8).stall_s > 0
+    assert _context_run(Policy.ONDEMAND, 8).stall_s == 0
+
+
+def test_recompute_does_no_loads():
+    res = _context_run(Policy.RECOMPUTE, 8)
+    assert all(v == 0 for v in res.bytes_read.values())
+    assert set(k for k, v in res.tokens_from.items() if v) <= {"computed", "hbm"}
+    assert res.tokens_from["computed"] == res.input_len.sum()
+
+
+@pytest.mark.parametrize("policy", list(Policy))
+def test_requests_are_conserved(policy):
+    reqs = generate_chat(ChatWorkload(sessions=6, turns=3, first_user_tokens=3000, concurrency=3, seed=2))
+    dep = Deployment(MODELS["llama-3-70b"], ACCELERATORS["h100"], tp=4)
+    tiers = (TierSpec("dram", 40, 100e9), TierSpec("nvme", None, 5e9, 1e-4))
+    res = simulate(SimConfig(dep, policy, tiers, concurrency=3, hbm_cache_blocks=8), reqs)
+    assert res.requests == len(reqs)
+    assert np.all(res.first_token >= res.submit) and np.all(res.done >= res.first_token)
+    assert sum(res.tokens_from.values()) == sum(r.input_len for r in reqs)
+    assert res.output_len.sum() == sum(r.output_len for r in reqs)
+
+
+def test_reuse_is_found_across_turns():
+    reqs = generate_chat(ChatWorkload(sessions=4, turns=3, concurrency=2, seed=5))
+    dep = Deployment(MODELS["llama-3-70b"], ACCELERATORS["h100"], tp=4)
+    tiers = (TierSpec("dram", None, 100e9), TierSpec("nvme", None, 5e9, 1e-4))
+    res = simulate(
+        SimConfig(dep, Policy.PREFETCH, tiers, concurrency=2, hbm_cache_blocks=0, load_vs_recompute=False), reqs
+    )
+    assert res.hit_ratio > 0.3 and res.tokens_from["dram"] > 0
+
+
+def test_hit_ratio_grows_with_capacity():
+    reqs = generate_chat(ChatWorkload(sessions=20, turns=4, arrival="poisson", seed=3))
+    curve = hit_ratio_curve(reqs, [10, 100, 1000, None])
+    values = list(curve.values())
+    assert values == sorted(values) and values[-1] > values[0]
+
+
+@pytest.mark.parametrize("scenario", ["seed-r1", "seed-r2", "seed-r2-recompute", "seed-r3"])
+def test_whitepaper_scenario_within_documented_tolerance(scenario):
+    rows = whitepaper_rows([scenario])
+    assert rows and all(np.isfinite(r.simulated) for r in rows)
+    for r in rows:
+        if r.fitted:
+            assert abs(r.error_pct) <= FITTED_TOLERANCE_PCT, r
+        else:
+            assert abs(r.error_pct) <= ROW_TOLERANCE_PCT.get((r.scenario, r.metric), TOLERANCE_PCT[scenario]), r
+        if abs(r.error_pct) > 15.0:
+            assert r.note, f"{r.metric}: a row beyond 15% must say why"
+
+
+def test_each_free_parameter_is_fitted_on_one_row():
+    fitted = [(p.scenario, p.metric) for p in PUBLISHED if p.fitted]
+    assert sorted(fitted) == sorted(FITTED_BY.values())
+    assert len(fitted) == len(set(fitted)) == len(FIT.__dataclass_fields__)
+
+
+def test_sync_baseline_queues_in_admission_not_in_decode():
+    # the whitepaper's shape: no-prefetch TTFT grows about linearly with concurrency, and is above prefetch
+    sync = {c: run_whitepaper(Policy.ONDEMAND_SYNC, c) for c in (8, 32)}
+    pf = run_whitepaper(Policy.PREFETCH, 32)
+    assert sync[32].ttft_p(50) > 3 * sync[8].ttft_p(50)
+    assert sync[32].ttft_p(50) > 1.2 * pf.ttft_p(50)
+    decode = sync[32].done - sync[32].first_token
+    assert np.median(decode) < 0.5 * sync[32].ttft_p(50)
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="Mooncake trace not present")
+def test_mooncake_hit_ratio_and_full_trace_speed():
+    reqs = read_mooncake_trace(TRACE)
+    for r in mooncake_rows(reqs, TRACE.name):
+        assert abs(r.error_pct) <= TOLERANCE_PCT["mooncake"], r
+    started = time.perf_counter()
+    res = run_setup(
+        Setup("llama-3-70b", "h200", 8, "local-nvme", 0.4, dram_gb=500), Policy.PREFETCH, f"trace:{TRACE}", None
+    )
+    assert res.requests == 3993
+    assert time.perf_counter() - started < 60
+
+
+def test_calibration_predicts_every_mode():
+    pred = predict_bench_ttft(
+        EXAMPLE,
+        ["recompute", "ondemand-sync", "prefetch", "dram"],
+        [2, 4],
+        ChatWorkload(sessions=6, turns=2, first_user_tokens=1500, user_tokens=200, output_tokens=16, think_s=0.5),
+    )
+    assert len(pred) == 8 and all(v > 0 for v in pred.values())
+    assert pred[("recompute", 4)] > pred[("dram", 4)]

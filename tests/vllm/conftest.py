@@ -1,0 +1,120 @@
+"""Shared vLLM engines (one per configuration, each in its own process) for the connector tests."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+from vllm_harness import Engine, connector_config
+
+CHUNK = 256  # tokens; the CPU backend's block size is 128, so a chunk is two blocks
+CHUNK_MIB = 1  # 4 layers x 2 KV heads x 64 dims x (K, V) x float32 x 256 tokens = 1 MiB
+DRAM_CHUNKS = 16
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 2000) for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> str:
+    from vllm_engine_runner import make_model
+
+    d = tmp_path_factory.mktemp("model")
+    make_model(str(d))
+    return str(d)
+
+
+@pytest.fixture(scope="session")
+def logs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="session")
+def disk_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("kvdisk")
+
+
+@pytest.fixture(scope="session")
+def pools():
+    names: list[str] = []
+    yield names
+    for n in names:  # the shared-memory pools outlive their processes by design; remove the test's ones
+        for f in Path("/dev/shm").glob(f"*{n}*"):
+            f.unlink(missing_ok=True)
+
+
+def extra_config(disk_dir: Path, pools: list[str], **kw) -> dict:
+    pool = "kvpt-" + uuid.uuid4().hex[:10]
+    pools.append(pool)
+    cfg = {
+        "chunk_tokens": CHUNK,
+        "dram": {"capacity_bytes": int(DRAM_CHUNKS * (CHUNK_MIB << 20) * 1.02), "pool_name": pool},
+        "disk": {"path": str(disk_dir), "capacity_bytes": 1 << 30},
+        "io": {"read_rate_limit_bps": 200_000_000},
+        "log_interval_s": 0,
+    }
+    cfg.update(kw)
+    return cfg
+
+
+class Engines:
+    """Engines by name, started on first use; close() lets a test end one before starting another."""
+
+    def __init__(self, model_dir: str, logs: Path, disk_dir: Path, pools: list[str]):
+        self.model_dir, self.logs, self.disk_dir, self.pools = model_dir, logs, disk_dir, pools
+        self.live: dict[str, Engine] = {}
+
+    def spec(self, name: str) -> dict:
+        base = {"model": self.model_dir, "max_num_seqs": 1}
+        if name == "reference":
+            return base
+        if name == "prefetch_on":
+            return base | {"kv_transfer_config": connector_config(extra_config(self.disk_dir, self.pools))}
+        if name == "restarted_prefetch_off":
+            extra = extra_config(self.disk_dir, self.pools, prefetch=False)
+            return base | {"kv_transfer_config": connector_config(extra)}
+        raise KeyError(name)
+
+    def get(self, name: str) -> Engine:
+        if name not in self.live:
+            self.live[name] = Engine(self.spec(name), self.logs / f"{name}.log")
+        return self.live[name]
+
+    def close(self, name: str) -> None:
+        e = self.live.pop(name, None)
+        if e is not None:
+            e.close()
+
+    def close_all(self) -> None:
+        for name in list(self.live):
+            self.close(name)
+
+
+@pytest.fixture(scope="session")
+def engines(model_dir, logs, disk_dir, pools):
+    e = Engines(model_dir, logs, disk_dir, pools)
+    yield e
+    e.close_all()
+
+
+def corrupt_disk_tier(disk_dir: Path) -> int:
+    """Flip a byte in the middle of every chunk file (the store's checksums must catch every one)."""
+    n = 0
+    for f in disk_dir.rglob("*"):
+        if f.is_file() and f.stat().st_size > 8192:
+            with open(f, "r+b") as fh:
+                fh.seek(f.stat().st_size // 2)
+                b = fh.read(1)
+                fh.seek(-1, 1)
+                fh.write(bytes([b[0] ^ 0xFF]))
+            n += 1
+    return n
+
+
+def wipe(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,110 @@
+"""A vLLM CPU engine in its own process, driven by JSON lines on stdin (used by the tests and the TTFT bench).
+
+    python engine_runner.py '<json engine spec>'
+
+Replies are printed as one line each, prefixed with ``@@KVP `` (vLLM logs to the same streams). The engine
+runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the connector's counters are readable here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+MARK = "@@KVP "
+
+
+def make_model(path: str, layers: int = 4, hidden: int = 256, heads: int = 4, kv_heads: int = 2, seed: int = 0):
+    """A small random Llama checkpoint (float32 safetensors): real, non-uniform logits, fast on a CPU."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=8192,
+        initializer_range=0.02,
+        torch_dtype="float32",
+    )
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path, safe_serialization=True)
+
+
+def _reply(obj) -> None:
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=spec.get("max_model_len", 8192),
+        enforce_eager=True,
+        kv_cache_memory_bytes=spec.get("kv_cache_bytes", 256 << 20),
+        max_num_seqs=spec.get("max_num_seqs", 4),
+        max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192),
+        enable_prefix_caching=spec.get("prefix_caching", False),
+        seed=0,
+    )
+    if spec.get("kv_transfer_config"):
+        kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    llm = LLM(**kwargs)
+    _reply({"ready": True})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "generate":
+            sp = SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0.0, logprobs=1, ignore_eos=True)
+            sps = [sp] * len(cmd["prompts"])
+            if cmd.get("max_tokens_each"):
+                sps = [
+                    SamplingParams(max_tokens=m, temperature=0.0, logprobs=1, ignore_eos=True)
+                    for m in cmd["max_tokens_each"]
+                ]
+            t0 = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sps, use_tqdm=False)
+            wall = time.perf_counter() - t0
+            res = []
+            for o in outs:
+                c = o.outputs[0]
+                lps = [float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs or [], strict=False)]
+                m = getattr(o, "metrics", None)
+                ttft = getattr(m, "first_token_latency", None) if m is not None else None
+                res.append({"token_ids": list(c.token_ids), "logprobs": lps, "ttft": ttft})
+            _reply({"outputs": res, "wall_s": wall})
+        elif op == "counters":
+            from kvprefetch.vllm.connector import live_connectors
+            from kvprefetch.vllm.metrics import snapshot_all
+
+            stores = {}
+            for c in live_connectors():
+                if c.store is not None:
+                    stores[c.counters.role] = c.store.stats().get("store")
+            _reply({"counters": snapshot_all(), "stores": stores})
+        elif op == "flush":
+            from kvprefetch.vllm.connector import live_connectors
+
+            ok = all(c.store.flush(timeout=60) for c in live_connectors() if c.store is not None)
+            _reply({"flushed": ok})
+        elif op == "exit":
+            _reply({"bye": True})
+            break
+    del llm
+    os._exit(0)  # skip interpreter teardown of the engine's threads
+
+
+if __name__ == "__main__":
+    main()
