@@ -91,6 +91,9 @@ class IOConfig(_Section):
     """The I/O engine that moves every chunk between tiers."""
 
     threads: int = Field(default=4, ge=1, le=256, description="Reads/writes in flight at once.")
+    join_timeout_s: float = Field(
+        default=10.0, gt=0, description="How long a read waits for another process's read of the same chunk."
+    )
     read_rate_limit_bps: PositiveBytes | None = Field(
         default=None, description="Cap on the disk tier's read rate (to emulate a slower storage regime)."
     )

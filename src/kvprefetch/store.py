@@ -13,6 +13,7 @@ request: a chunk that cannot be read is a miss, and `get_into` reports how many 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -76,6 +77,21 @@ class PrefetchHandle:
 
     def cancel(self) -> int:
         return sum(1 for t in self.tickets.values() if t.cancel())
+
+    def results(self) -> dict[bytes, bool | None]:
+        """Per chunk: True once in DRAM, False if its read failed or was dropped, None while in flight.
+        Keys that needed no read (already in DRAM) are True."""
+        out: dict[bytes, bool | None] = {}
+        for key in self.keys:
+            ticket = self.tickets.get(key)
+            if ticket is None:
+                out[key] = True
+            elif not ticket.done():
+                out[key] = None
+            else:
+                fut = ticket.future
+                out[key] = (not fut.cancelled()) and fut.exception() is None and bool(fut.result())
+        return out
 
 
 def as_bytes_view(buffer) -> memoryview:
@@ -163,8 +179,8 @@ class TieredStore:
         """Read key from disk or the remote tier into a DRAM slot. True when it is in DRAM afterwards."""
         slot = self.dram.allocate(key, self.chunk_bytes)
         if slot is None:
-            if self.dram.contains(key):
-                return True  # another process promoted it meanwhile
+            if self.dram.contains(key) or self.dram.wait_ready(key, self.config.io.join_timeout_s):
+                return True  # another thread or process promoted it: joined its read instead of reading twice
             self.counters["dram_full"] += 1
             return False
         try:
@@ -305,6 +321,27 @@ class TieredStore:
             log.warning(
                 "kvprefetch: chunk load failed (%s: %s); treating it as a miss (logged once per cause)", cause, err
             )
+
+    @contextlib.contextmanager
+    def view(self, keys: Sequence[bytes]):
+        """Pinned, zero-copy views of the payloads of the leading keys that are in DRAM now.
+
+        Yields a list of read-only memoryviews (shorter than keys where the DRAM prefix ends); the chunks
+        cannot be evicted until the block exits. For copying straight into engine memory, layer by layer.
+        """
+        slots: list[int] = []
+        try:
+            for key in keys:
+                slot = self.dram.acquire(key)
+                if slot is None:
+                    break
+                slots.append(slot)
+            views = [self.dram.payload(slot).toreadonly() for slot in slots]
+            self.counters["dram_hits"] += len(views)
+            yield views
+        finally:
+            for slot in slots:
+                self.dram.release(slot)
 
     # ---- writes ------------------------------------------------------------------------------------------
     def put(self, keys: Sequence[bytes], buffers: Sequence) -> Future:

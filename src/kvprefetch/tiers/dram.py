@@ -20,6 +20,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -260,6 +261,20 @@ class SharedChunkPool:
 
     def contains(self, key: bytes) -> bool:
         """Whether key has a READY slot (a hint: it may be evicted right after unless pinned)."""
+        return self._find(key) is not None
+
+    def wait_ready(self, key: bytes, timeout: float) -> bool:
+        """If another thread or process is writing key right now, wait (up to timeout) for it to be READY."""
+        start = time.monotonic()
+        next_reap = start + 0.5
+        while self._find(key, WRITING) is not None:
+            now = time.monotonic()
+            if now > start + timeout:
+                return False
+            if now > next_reap:  # the writer may have died mid-write
+                self.reap_dead()
+                next_reap = now + 0.5
+            time.sleep(0.0005)
         return self._find(key) is not None
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:

@@ -1,0 +1,66 @@
+"""The parts of the store API that connectors lean on: zero-copy views, per-chunk prefetch results, and
+joining another process's in-flight read instead of reading the chunk twice."""
+
+import multiprocessing as mp
+import time
+
+import numpy as np
+
+from kvprefetch.config import StoreConfig
+from kvprefetch.store import TieredStore
+from kvprefetch.tiers.chunk_format import HEADER_BYTES, write_header
+
+from .conftest import CHUNK_BYTES, chunk_payload
+
+
+def test_view_pins_dram_chunks_without_copying(open_store, keyer):
+    store = open_store()
+    keys = keyer.keys(range(16 * 4))
+    store.put(keys[:3], [chunk_payload(k) for k in keys[:3]]).result(10)
+    with store.view(keys) as views:
+        assert len(views) == 3, "stops where the DRAM prefix ends"
+        assert all(bytes(v) == chunk_payload(k).tobytes() for v, k in zip(views, keys, strict=False))
+        assert store.stats()["dram"]["slots_pinned"] == 3
+        assert views[0].readonly
+    assert store.stats()["dram"]["slots_pinned"] == 0
+
+
+def test_prefetch_results_per_chunk(open_store, keyer):
+    store = open_store()
+    keys = keyer.keys(range(16 * 4))
+    store.put(keys, [chunk_payload(k) for k in keys]).result(10)
+    for k in keys[1:]:
+        store.dram.discard(k)
+    store.disk.path_of(keys[2]).write_bytes(b"garbage" * 10000)
+    handle = store.prefetch(keys)
+    handle.wait(10)
+    assert handle.results() == {keys[0]: True, keys[1]: True, keys[2]: False, keys[3]: True}
+
+
+def _slow_writer(config_json: str, key: bytes, hold_s: float, ready) -> None:
+    store = TieredStore(StoreConfig.model_validate_json(config_json), chunk_bytes=CHUNK_BYTES)
+    slot = store.dram.allocate(key, CHUNK_BYTES)
+    ready.set()
+    time.sleep(hold_s)  # a read in flight in this process
+    image = store.dram.image(slot)
+    image[HEADER_BYTES : HEADER_BYTES + CHUNK_BYTES] = chunk_payload(key)
+    write_header(image, key, CHUNK_BYTES)
+    store.dram.commit(slot)
+    store.close()
+
+
+def test_a_read_joins_another_processs_inflight_read(open_store, keyer, make_config):
+    store = open_store()
+    key = keyer.keys(range(16))[0]
+    store.put([key], [chunk_payload(key)]).result(10)
+    store.dram.discard(key)
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    child = ctx.Process(target=_slow_writer, args=(make_config().model_dump_json(), key, 1.0, ready))
+    child.start()
+    assert ready.wait(60)
+    out = np.zeros(CHUNK_BYTES, np.uint8)
+    assert store.get_into([key], [out]) == 1
+    assert (out == chunk_payload(key)).all()
+    assert store.stats()["store"]["promoted"] == 0, "the chunk was not read a second time"
+    child.join(30)
