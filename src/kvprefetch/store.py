@@ -89,9 +89,17 @@ class PrefetchHandle:
             elif not ticket.done():
                 out[key] = None
             else:
-                fut = ticket.future
-                out[key] = (not fut.cancelled()) and fut.exception() is None and bool(fut.result())
+                out[key] = ticket_ok(ticket, key)
         return out
+
+
+def ticket_ok(ticket: IOTicket, key: bytes) -> bool:
+    """Whether a finished promotion put key in DRAM (batched promotions answer per key)."""
+    fut = ticket.future
+    if fut.cancelled() or fut.exception() is not None:
+        return False
+    result = fut.result()
+    return bool(result.get(key, False)) if isinstance(result, dict) else bool(result)
 
 
 def as_bytes_view(buffer) -> memoryview:
@@ -217,10 +225,74 @@ class TieredStore:
         if to is not Tier.DRAM:
             raise ValueError(f"prefetch target must be {Tier.DRAM.value}, got {to}")
         handle = PrefetchHandle(list(keys))
-        for key, tier in zip(keys, self.lookup(keys).tiers, strict=False):
-            if tier is not Tier.DRAM:
+        tiers = self.lookup(keys).tiers
+        remote = [k for k, t in zip(keys, tiers, strict=False) if t is Tier.REMOTE]
+        handle.tickets.update(self._submit_remote_promotes(remote, IOClass.PREFETCH, deadline))
+        for key, tier in zip(keys, tiers, strict=False):
+            if tier is Tier.DISK:
                 handle.tickets[key] = self._submit_promote(key, tier, IOClass.PREFETCH, deadline)
         return handle
+
+    def _promote_remote_batch(self, keys: list[bytes]) -> dict[bytes, bool]:
+        """One batched remote read straight into DRAM slots; per key, whether it is in DRAM afterwards."""
+        assert self.remote is not None
+        out: dict[bytes, bool] = {}
+        slots: dict[bytes, int] = {}
+        for key in keys:
+            slot = self.dram.allocate(key, self.chunk_bytes)
+            if slot is not None:
+                slots[key] = slot
+            elif self.dram.contains(key) or self.dram.wait_ready(key, self.config.io.join_timeout_s):
+                out[key] = True
+            else:
+                self.counters["dram_full"] += 1
+                out[key] = False
+        if not slots:
+            return out
+        try:
+            results = self.remote.read_many(list(slots), [self.dram.image(s) for s in slots.values()])
+        except ConnectionError as err:
+            results = [err] * len(slots)
+        except BaseException:
+            for slot in slots.values():
+                self.dram.abort(slot)
+            raise
+        for (key, slot), result in zip(slots.items(), results, strict=True):
+            if isinstance(result, Exception):
+                self.dram.abort(slot)
+                self._load_failed(key, result)
+                out[key] = False
+            else:
+                self.dram.commit(slot)
+                self.counters["promoted"] += 1
+                out[key] = True
+        return out
+
+    def _submit_remote_promotes(
+        self, keys: list[bytes], cls: IOClass, deadline: float | None = None
+    ) -> dict[bytes, IOTicket]:
+        """Join reads already in flight; batch the rest (one round trip per `backend.batch_size` chunks)."""
+        tickets: dict[bytes, IOTicket] = {}
+        fresh: list[bytes] = []
+        for key in keys:
+            joined = self.io.join(("promote", key), cls)
+            if joined is not None:
+                tickets[key] = joined
+            else:
+                fresh.append(key)
+        step = self.remote.backend.batch_size if self.remote is not None else 1
+        for i in range(0, len(fresh), step):
+            batch = fresh[i : i + step]
+            shared = self.io.submit_shared(
+                Tier.REMOTE.value,
+                cls,
+                lambda b=batch: self._promote_remote_batch(b),
+                nbytes=len(batch) * self.image_bytes,
+                dedups=[("promote", k) for k in batch],
+                deadline=deadline,
+            )
+            tickets.update(zip(batch, shared, strict=True))
+        return tickets
 
     # ---- reads into caller memory ------------------------------------------------------------------------
     def get_into(self, keys: Sequence[bytes], buffers: Sequence, cls: IOClass = IOClass.DEMAND) -> int:
@@ -233,12 +305,15 @@ class TieredStore:
             raise ValueError(f"{len(keys)} keys but only {len(buffers)} buffers")
         held: dict[bytes, int] = {}
         pending: dict[bytes, IOTicket] = {}
-        for key, tier in zip(keys, self.lookup(keys).tiers, strict=False):
+        tiers = self.lookup(keys).tiers
+        remote = [k for k, t in zip(keys, tiers, strict=False) if t is Tier.REMOTE]
+        pending.update(self._submit_remote_promotes(remote, cls))
+        for key, tier in zip(keys, tiers, strict=False):
             slot = self.dram.acquire(key) if tier is Tier.DRAM else None
             if slot is not None:
                 held[key] = slot
-            elif tier is Tier.REMOTE:
-                pending[key] = self._submit_promote(key, Tier.REMOTE, cls)
+            elif key in pending:
+                continue
             elif self.disk is not None and self.disk.contains(key):
                 pending[key] = self._submit_promote(key, Tier.DISK, cls)
             else:
@@ -266,10 +341,10 @@ class TieredStore:
 
     def _finish_promote(self, key: bytes, ticket: IOTicket, dst: memoryview) -> bool:
         try:
-            in_dram = ticket.result()
+            ticket.result()
         except (ChunkMissing, CorruptChunk, OSError):  # counted where the read failed, in _promote
             return False
-        slot = self.dram.acquire(key) if in_dram else None
+        slot = self.dram.acquire(key) if ticket_ok(ticket, key) else None
         if slot is None:  # DRAM full of pinned chunks, or evicted again already: read around DRAM
             return self._load_direct(key, dst)
         return self._copy_out(key, slot, dst, Tier.REMOTE if ticket.tier == Tier.REMOTE.value else Tier.DISK)

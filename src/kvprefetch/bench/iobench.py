@@ -184,9 +184,9 @@ def _read_all(store: TieredStore, keys: list[bytes], parallel: bool) -> float:
     if parallel:
         handle = store.prefetch(keys)
         handle.wait()
-        ok = all(t.result() for t in handle.tickets.values())
+        ok = all(handle.results().values())
     else:
-        ok = all(store.prefetch([k]).tickets[k].result() for k in keys)
+        ok = all(_prefetch_one(store, k) for k in keys)
     elapsed = time.perf_counter() - t0
     if not ok:
         raise RuntimeError("a benchmark read failed")
@@ -206,6 +206,12 @@ def _raw_read_all(store: TieredStore, keys: list[bytes]) -> float:
         finally:
             os.close(fd)
     return len(keys) * store.chunk_bytes / (time.perf_counter() - t0) / 1e9
+
+
+def _prefetch_one(store: TieredStore, key: bytes) -> bool:
+    handle = store.prefetch([key])
+    handle.wait()
+    return handle.results()[key]
 
 
 def _get_into_all(store: TieredStore, keys: list[bytes], chunk_bytes: int, window: int = 16) -> float:

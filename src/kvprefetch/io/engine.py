@@ -102,27 +102,48 @@ class IOEngine:
         deadline: float | None = None,
     ) -> IOTicket:
         """Queue fn; with a dedup key, join an op already queued or running for the same key."""
+        if dedup is not None and (ticket := self.join(dedup, cls)) is not None:
+            return ticket
+        return self.submit_shared(tier, cls, fn, nbytes, [dedup] if dedup is not None else [], deadline)[0]
+
+    def join(self, dedup: Any, cls: IOClass) -> IOTicket | None:
+        """A ticket on the op queued or running under dedup (lifted to cls if more urgent), or None."""
+        with self._cv:
+            op = self._inflight.get(dedup)
+            if op is None:
+                return None
+            op.holders += 1
+            if cls < op.cls and not op.started:
+                self.stats.queued(op.tier, op.cls.label, -1)
+                self.stats.queued(op.tier, cls.label, +1)
+                op.cls = cls
+                op.deadline = None
+                heapq.heappush(self._heap, (int(cls), next(self._seq), op))
+                self._cv.notify()
+            return IOTicket(self, op)
+
+    def submit_shared(
+        self,
+        tier: str,
+        cls: IOClass,
+        fn: Callable[[], Any],
+        nbytes: int,
+        dedups: list,
+        deadline: float | None = None,
+    ) -> list[IOTicket]:
+        """Queue one op that serves several dedup keys (e.g. a batched read); one ticket per key (at least one).
+        Callers join first: a key already in flight is not registered again."""
         with self._cv:
             if self._closed:
                 raise RuntimeError("I/O engine is closed")
-            if dedup is not None and (op := self._inflight.get(dedup)) is not None:
-                op.holders += 1
-                if cls < op.cls and not op.started:
-                    self.stats.queued(op.tier, op.cls.label, -1)
-                    self.stats.queued(op.tier, cls.label, +1)
-                    op.cls = cls
-                    op.deadline = None
-                    heapq.heappush(self._heap, (int(cls), next(self._seq), op))
-                    self._cv.notify()
-                return IOTicket(self, op)
-            op = _Op(tier, cls, fn, nbytes, dedup, deadline)
-            op.holders = 1
-            if dedup is not None:
-                self._inflight[dedup] = op
+            op = _Op(tier, cls, fn, nbytes, tuple(dedups), deadline)
+            op.holders = max(1, len(dedups))
+            for key in dedups:
+                self._inflight.setdefault(key, op)
             heapq.heappush(self._heap, (int(cls), next(self._seq), op))
             self.stats.queued(tier, cls.label, +1)
             self._cv.notify()
-            return IOTicket(self, op)
+            return [IOTicket(self, op) for _ in range(op.holders)]
 
     def _release(self, op: _Op) -> bool:
         with self._cv:
@@ -135,11 +156,16 @@ class IOEngine:
     def _drop(self, op: _Op, reason: str) -> None:
         """Remove a not-started op (lazy deletion from the heap). Caller holds the lock."""
         op.started = True  # any stale heap entries are skipped
-        if op.dedup is not None and self._inflight.get(op.dedup) is op:
-            del self._inflight[op.dedup]
+        self._forget(op)
         self.stats.dropped(op.tier, op.cls.label, reason)
         op.future.cancel()
         op.future.set_running_or_notify_cancel()
+
+    def _forget(self, op: _Op) -> None:
+        """Unregister an op's dedup keys. Caller holds the lock."""
+        for key in op.dedup:
+            if self._inflight.get(key) is op:
+                del self._inflight[key]
 
     def _next(self) -> _Op | None:
         with self._cv:
@@ -178,8 +204,7 @@ class IOEngine:
 
     def _finish(self, op: _Op, t0: float, ok: bool) -> None:
         with self._cv:
-            if op.dedup is not None and self._inflight.get(op.dedup) is op:
-                del self._inflight[op.dedup]
+            self._forget(op)
         self.stats.finished(op.tier, op.cls.label, op.nbytes, time.monotonic() - t0, ok)
 
     def pending(self, tier: str | None = None) -> int:

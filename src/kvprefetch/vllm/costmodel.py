@@ -1,21 +1,34 @@
 """Load-or-recompute: load a hit only where loading it is faster than recomputing it.
 
-Measured, not configured: the disk tier's read throughput (from the prefetches this process drives), the
-DRAM -> engine copy throughput and the engine's prefill speed (both reported by the workers each step) feed
-exponential moving averages. Until a rate has been measured its prior is used (optimistic for loads: a fresh
-engine has nothing measured yet, and a load from DRAM is ~100x faster than any prefill).
+Measured, not configured. Three rates feed exponential moving averages:
 
-Per request the hit is a run of leading chunks, each in some tier. Loading chunk i costs l_i (its queueing
-plus transfer time); recomputing it costs r (chunk_tokens / prefill speed). Because a load must be a prefix,
-the plan loads the k leading chunks that maximise sum_{i<k} (r - l_i) and recomputes the rest: a slow or
-overloaded tier degrades to recompute, never below it.
+* the engine's **prefill speed** (tokens/s): the workers time every forward pass that computes >= 16 tokens and
+  report it with the step's output (``KVPrefetchWorkerMeta``);
+* the **disk tier's read throughput** (bytes/s): a `TierMeter` watches the completion of every read this process
+  submits (prefetches and demand reads) and measures bytes over the time the tier was busy, so queueing in front
+  of the tier is not mistaken for a slow device, and a burst of parallel reads counts once;
+* the **DRAM -> engine copy** throughput, reported by the workers.
+
+Until a rate has been measured its prior is used (``disk_bps_prior``/``prefill_tps_prior``; with no prefill
+prior, loads pay until the first forward has been timed: a fresh engine has nothing measured yet, and a load
+from DRAM is far faster than any prefill).
+
+Per request the hit is a run of leading chunks, each in some tier. Loading chunk i costs l_i: the disk is a
+pipe, so a disk chunk finishes after everything queued before it (``queue_bytes``) and the disk chunks before
+it in this request; a DRAM chunk costs only its copy. Recomputing a chunk costs r = chunk_tokens / prefill
+speed. A load must be a prefix, and the request waits for its slowest loaded chunk, so the plan loads the k
+leading chunks that maximise ``k*r - margin * max_{i<k} l_i`` (k=0: recompute everything): a slow or
+overloaded tier degrades to recompute, never below it, and a split (load the head, compute the rest) happens
+when only the head pays.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 class Ema:
@@ -29,6 +42,56 @@ class Ema:
             return
         self.value = x if self.samples == 0 or self.value is None else (1 - self.alpha) * self.value + self.alpha * x
         self.samples += 1
+
+
+class TierMeter:
+    """Throughput of one tier's reads, from their completions: bytes / busy time, and the ops still queued.
+
+    ``track(futures, nbytes)`` is called for each batch of reads submitted; a completion callback counts the
+    bytes. While at least one read is outstanding the tier is busy; every ``sample_ops`` completions (or when
+    the tier goes idle) bytes / busy-seconds since the last sample is one observation. ``outstanding`` is the
+    queue in front of a new read (in ops).
+    """
+
+    def __init__(self, on_sample: Callable[[int, float], None], sample_ops: int = 4,
+                 clock: Callable[[], float] = time.monotonic):
+        self._on_sample = on_sample
+        self._sample_ops = sample_ops
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.outstanding = 0
+        self._mark = 0.0
+        self._bytes = 0
+        self._ops = 0
+
+    def track(self, futures: Sequence[Any], nbytes: int) -> None:
+        futs = [f for f in futures if f is not None]
+        if not futs:
+            return
+        with self._lock:
+            if self.outstanding == 0:
+                self._mark = self._clock()
+                self._bytes = self._ops = 0
+            self.outstanding += len(futs)
+        for f in futs:
+            f.add_done_callback(lambda fut, n=nbytes: self._done(fut, n))
+
+    def _done(self, fut: Any, nbytes: int) -> None:
+        ok = not fut.cancelled() and fut.exception() is None
+        sample = None
+        with self._lock:
+            self.outstanding -= 1
+            if ok:
+                self._bytes += nbytes
+                self._ops += 1
+            if self._ops and (self._ops >= self._sample_ops or self.outstanding == 0):
+                now = self._clock()
+                sample = (self._bytes, now - self._mark)
+                self._mark, self._bytes, self._ops = now, 0, 0
+            elif self.outstanding == 0:
+                self._mark = self._clock()
+        if sample is not None and sample[1] > 1e-6:
+            self._on_sample(*sample)
 
 
 @dataclass
@@ -74,36 +137,53 @@ class CostModel:
             with self._lock:
                 self.prefill_tps.observe(tokens / seconds)
 
+    def snapshot(self) -> dict[str, float | int | None]:
+        return {
+            "prefill_tps": self.prefill_tps.value,
+            "prefill_samples": self.prefill_tps.samples,
+            "disk_bps": self.disk_bps.value,
+            "disk_samples": self.disk_bps.samples,
+            "copy_bps": self.copy_bps.value,
+            "copy_samples": self.copy_bps.samples,
+        }
+
     # ---- decision -------------------------------------------------------------------------------------------
-    def chunk_load_s(self, on_disk: bool) -> float:
-        t = self.chunk_bytes / (self.copy_bps.value or 4e9)
-        if on_disk:
-            t += self.chunk_bytes / (self.disk_bps.value or 1e9)
-        return t
+    def copy_s(self) -> float:
+        return self.chunk_bytes / (self.copy_bps.value or 4e9)
+
+    def disk_s(self, nbytes: int) -> float:
+        return nbytes / (self.disk_bps.value or 1e9)
 
     def recompute_s(self, tokens: int) -> float | None:
         tps = self.prefill_tps.value
         return None if not tps else tokens / tps
 
     def plan(self, on_disk: Sequence[bool], first: int = 0, queue_bytes: int = 0) -> Plan:
-        """on_disk[i]: chunk i must come up from disk (False: already in DRAM). Chunks < first need no load."""
+        """on_disk[i]: chunk i must come up from disk (False: already in DRAM). Chunks < first need no load.
+
+        queue_bytes: disk reads queued ahead of this request's first disk chunk.
+        """
         n = len(on_disk)
         if n <= first:
             return Plan(n, 0, 0.0, 0.0)
         r = self.recompute_s(self.chunk_tokens)
-        costs = []
-        queue_s = queue_bytes / (self.disk_bps.value or 1e9)
+        # ready[j]: when chunk first+j is in the engine if loaded (disk chunks are served in order, one pipe).
+        ready: list[float] = []
+        disk_done = self.disk_s(queue_bytes)
+        copy_done = 0.0
         for i in range(first, n):
-            c = self.chunk_load_s(on_disk[i])
-            if on_disk[i] and queue_s:
-                c += queue_s  # the first disk chunk waits behind the tier's queue
-                queue_s = 0.0
-            costs.append(c)
+            if on_disk[i]:
+                disk_done += self.disk_s(self.chunk_bytes)
+                copy_done = max(copy_done, disk_done) + self.copy_s()
+            else:
+                copy_done += self.copy_s()
+            ready.append(copy_done)
         if r is None:  # nothing measured yet: loads pay (DRAM copy >> prefill speed on every engine we know)
-            return Plan(n, 0, sum(costs), float("nan"))
-        best_k, best_gain, gain = first, 0.0, 0.0
-        for j, c in enumerate(costs):
-            gain += r - c * self.margin
+            return Plan(n, 0, ready[-1], float("nan"))
+        best_k, best_gain = first, 0.0
+        for j, t in enumerate(ready):
+            gain = (j + 1) * r - t * self.margin
             if gain > best_gain:
                 best_gain, best_k = gain, first + j + 1
-        return Plan(best_k, n - best_k, sum(costs[: best_k - first]), r * (n - first))
+        est_load = ready[best_k - first - 1] if best_k > first else 0.0
+        return Plan(best_k, n - best_k, est_load, r * (n - first))

@@ -19,6 +19,10 @@ class LoadJob:
     block_ids: list[list[int]]
     is_async: bool  # True: load between steps, report via get_finished; False: this step, layer by layer
     cancelled: bool = False  # the request finished first: copy nothing, just report it finished
+    # Async: the scheduler's process is reading the chunks into DRAM (prefetch): wait for them to appear there
+    # until the scheduler reports its reads settled, instead of reading them a second time.
+    awaits_prefetch: bool = False
+    on_disk: int = 0  # chunks that were below DRAM when planned (sync mode: the worker reads them itself)
 
 
 @dataclass
@@ -40,9 +44,14 @@ class KVPrefetchMetadata(KVConnectorMetadata):
     # Requests preempted this step: their blocks may be reused, so in-flight saves from them must finish first.
     preempted: list[str] = field(default_factory=list)
     step_tokens: int = 0  # tokens this step computes (the worker times the forward: prefill speed)
+    # Async loads whose scheduler-side reads are all done (arrived or failed): stop waiting, read what's missing.
+    settled: list[str] = field(default_factory=list)
+    # Async loads of requests that finished first: stop copying.
+    cancel_loads: list[str] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.saves or self.await_saves or self.preempted)
+        return not (self.loads or self.saves or self.await_saves or self.preempted or self.settled
+                    or self.cancel_loads)
 
 
 @dataclass
@@ -54,15 +63,20 @@ class KVPrefetchWorkerMeta(KVConnectorWorkerMetadata):
     load_seconds: float = 0.0
     step_tokens: int = 0
     forward_seconds: float = 0.0
+    disk_bytes: int = 0  # chunks the worker read from below DRAM itself (sync mode), and the time it took
+    disk_seconds: float = 0.0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVPrefetchWorkerMeta)
         out = KVPrefetchWorkerMeta(
-            dict(self.saves_done), self.load_bytes, self.load_seconds, self.step_tokens, self.forward_seconds
+            dict(self.saves_done), self.load_bytes, self.load_seconds, self.step_tokens, self.forward_seconds,
+            self.disk_bytes, self.disk_seconds,
         )
         for k, v in other.saves_done.items():
             out.saves_done[k] = out.saves_done.get(k, 0) + v
         out.load_bytes += other.load_bytes
         out.load_seconds = max(out.load_seconds, other.load_seconds)
         out.forward_seconds = max(out.forward_seconds, other.forward_seconds)
+        out.disk_bytes += other.disk_bytes
+        out.disk_seconds = max(out.disk_seconds, other.disk_seconds)
         return out

@@ -5,12 +5,14 @@ Runs in vLLM's scheduler (engine-core) process, where requests arrive. Life of a
 1. ``on_new_request``: key its whole chunks, look them up and, with prefetch on, start reading its disk hits
    into the shared DRAM pool at once, in arrival order, while it waits behind other requests.
 2. ``get_num_new_matched_tokens`` (when the scheduler reaches it): the hit beyond the engine's own prefix
-   cache, trimmed by the cost model to what loads faster than it recomputes. All of it in DRAM: a synchronous,
-   layer-wise load in this step's forward. Some still on disk or in flight: an asynchronous load; the request
-   waits (``WAITING_FOR_REMOTE_KVS``) without blocking the others, and is handed to the worker once its
-   chunks are in DRAM.
-3. ``build_connector_meta`` each step: the loads that are ready, and the saves of every whole chunk that
-   the step completes (prompt and generated tokens).
+   cache, trimmed by the cost model to what loads faster than it recomputes (measured prefill speed against
+   measured disk throughput and the reads queued ahead). All of it in DRAM: a synchronous, layer-wise load in
+   this step's forward. Some still below DRAM: ``load_mode: async`` (default) makes it an asynchronous load:
+   the request waits (``WAITING_FOR_REMOTE_KVS``) without blocking the others, its reads start now if prefetch
+   is off, and the worker copies each chunk into the engine as it reaches DRAM; ``load_mode: sync`` makes it
+   a synchronous load whose disk reads the worker does inside the step (the step waits).
+3. ``build_connector_meta`` each step: the loads, which async loads' reads have settled, and the saves of
+   every whole chunk that the step completes (prompt and generated tokens).
 4. ``request_finished``: hold the blocks (True) only while a save from them may still be reading them.
 """
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvprefetch.keys import ChunkKeyer
-from kvprefetch.vllm.costmodel import CostModel
+from kvprefetch.vllm.costmodel import CostModel, TierMeter
 from kvprefetch.vllm.metadata import KVPrefetchMetadata, KVPrefetchWorkerMeta, LoadJob, SaveJob
 from kvprefetch.vllm.metrics import ConnectorCounters
 from kvprefetch.vllm.settings import ConnectorSettings
@@ -40,10 +42,11 @@ class _Req:
     keyed_tokens: int = 0
     prefetch: Any = None  # PrefetchHandle from arrival (or from reaching the request, prefetch off)
     prefetch_chunks: int = 0
-    prefetch_t0: float = 0.0
+    arrival_seq: int = 0
     arrival_in_dram: int = 0
     planned: tuple[int, int, bool] | None = None  # (first chunk, chunks to load, async) from the last query
-    pending_load: LoadJob | None = None  # async load waiting for its chunks to reach DRAM
+    pending_load: LoadJob | None = None  # async load handed to the worker, waiting for its chunks/copy
+    settled_sent: bool = False
     pinned: list[bytes] = field(default_factory=list)
     saved_chunks: int = 0  # leading chunks known to be in the store (loaded, present or saved)
     saves_inflight: set[int] = field(default_factory=set)
@@ -88,7 +91,10 @@ class SchedulerSide:
         self._await_saves: list[str] = []
         self._save_owner: dict[int, tuple[str, int]] = {}  # job id -> (req id, workers done)
         self._next_job = 1
-        self._disk_busy_until = 0.0
+        self._seq = 0
+        self._cancel_loads: list[str] = []
+        # Throughput of the reads this process drives (prefetches); the workers report their own demand reads.
+        self.disk_meter = TierMeter(self.cost.observe_disk, clock=clock)
 
     # ---- keys -----------------------------------------------------------------------------------------------
     def _keys(self, st: _Req, num_tokens: int) -> list[bytes]:
@@ -107,6 +113,8 @@ class SchedulerSide:
     # ---- arrival --------------------------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
         st = self._state(request)
+        self._seq += 1
+        st.arrival_seq = self._seq
         if not self.s.prefetch or self.s.load_policy == "never":
             return
         keys = self._keys(st, len(request.prompt_token_ids or ()))
@@ -119,25 +127,26 @@ class SchedulerSide:
 
     def _start_prefetch(self, st: _Req, keys: list[bytes], disk_chunks: int) -> None:
         st.prefetch = self.store.prefetch(keys)
-        st.prefetch_chunks = len(getattr(st.prefetch, "tickets", {}) or {}) or disk_chunks
-        st.prefetch_t0 = self.clock()
+        tickets = getattr(st.prefetch, "tickets", None) or {}
+        st.prefetch_chunks = len(tickets) or disk_chunks
+        self.disk_meter.track([getattr(t, "future", None) for t in tickets.values()], self.chunk_bytes)
         self.counters.inc("prefetched_chunks", st.prefetch_chunks)
 
-    def _observe_prefetch_done(self, st: _Req) -> None:
-        """Disk throughput from a finished prefetch: its bytes over the time the tier spent on it."""
-        if st.prefetch is None or st.prefetch_chunks == 0:
-            return
-        now = self.clock()
-        start = max(st.prefetch_t0, self._disk_busy_until)
-        self._disk_busy_until = now
-        self.cost.observe_disk(st.prefetch_chunks * self.chunk_bytes, now - start)
-        st.prefetch_chunks = 0
-
-    def _queued_disk_bytes(self, exclude: str) -> int:
+    def _queued_disk_bytes(self, st: _Req) -> int:
+        """Reads queued in front of this request's: other requests' unfinished reads that arrived earlier
+        (prefetch is served in arrival order); with no read of its own in flight, every outstanding read."""
+        if st.prefetch is None or not st.prefetch_chunks or st.prefetch.done():
+            return self.disk_meter.outstanding * self.chunk_bytes
         n = 0
-        for rid, st in self.reqs.items():
-            if rid != exclude and st.prefetch is not None and st.prefetch_chunks and not st.prefetch.done():
-                n += st.prefetch_chunks
+        for other in self.reqs.values():
+            h = other.prefetch
+            if other is st or h is None or not other.prefetch_chunks or other.arrival_seq > st.arrival_seq:
+                continue
+            tickets = getattr(h, "tickets", None)
+            if tickets:
+                n += sum(1 for t in tickets.values() if not t.done())
+            elif not h.done():
+                n += other.prefetch_chunks
         return n * self.chunk_bytes
 
     # ---- reaching the request -------------------------------------------------------------------------------
@@ -158,7 +167,6 @@ class SchedulerSide:
             if st.prefetch is not None and st.prefetch_chunks:
                 if st.prefetch.done():
                     self.counters.inc("prefetch_in_time")
-                    self._observe_prefetch_done(st)
                 else:
                     self.counters.inc("prefetch_late")
         if n_hit * self.C <= num_computed_tokens:
@@ -167,14 +175,15 @@ class SchedulerSide:
         if self.s.load_policy == "always":
             k = n_hit
         else:
-            plan = self.cost.plan(on_disk, first, self._queued_disk_bytes(st.req_id))
+            plan = self.cost.plan(on_disk, first, self._queued_disk_bytes(st))
             k = plan.load_chunks
             if plan.skipped_slower:
                 self.counters.inc("recomputed_slower_chunks", plan.skipped_slower)
         if k * self.C <= num_computed_tokens:
             return 0, False
-        is_async = any(on_disk[first:k])
-        st.planned = (first, k, is_async)
+        disk = sum(on_disk[first:k])
+        is_async = bool(disk) and self.s.load_mode == "async"
+        st.planned = (first, k, is_async, disk)
         return k * self.C - num_computed_tokens, is_async
 
     def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
@@ -182,7 +191,7 @@ class SchedulerSide:
         planned, st.planned = st.planned, None
         if num_external_tokens <= 0 or planned is None:
             return
-        _, k, is_async = planned
+        _, k, is_async, disk = planned
         start_tok = k * self.C - num_external_tokens  # the engine's own (block-aligned) prefix hit ends here
         first = start_tok // self.C
         keys = st.keys[first:k]
@@ -193,19 +202,21 @@ class SchedulerSide:
                 b = c * self.bpc + j
                 ids.append(int(block_ids[b]) if b * self.block_size >= start_tok else -1)
             per_chunk.append(ids)
-        job = LoadJob(request.request_id, keys, per_chunk, is_async)
+        job = LoadJob(request.request_id, keys, per_chunk, is_async, on_disk=disk)
         pinned = self.store.pin(keys)
         st.pinned = [key for key, ok in zip(keys, pinned, strict=True) if ok]
         st.saved_chunks = max(st.saved_chunks, k)
         self.counters.inc("loaded_chunks", len(keys))
+        if disk and (st.prefetch is None or not st.prefetch_chunks):
+            self.counters.inc("demand_reads", 1)
+            if is_async:  # prefetch off (or nothing in flight): the reads start now that the scheduler is here
+                self._start_prefetch(st, keys, disk)
+        # (sync mode: the worker reads what is still below DRAM inside the step, joining reads in flight)
         if is_async:
-            if st.prefetch is None or not st.prefetch_chunks:
-                # Prefetch off (or nothing was in flight): the read starts now that the scheduler is here.
-                self._start_prefetch(st, keys, len(keys))
-                self.counters.inc("demand_reads", 1)
+            job.awaits_prefetch = st.prefetch is not None and bool(st.prefetch_chunks)
             st.pending_load = job
-        else:
-            self._sync_loads.append(job)
+            st.settled_sent = not job.awaits_prefetch
+        self._sync_loads.append(job)
 
     # ---- each step ------------------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVPrefetchMetadata:
@@ -217,17 +228,14 @@ class SchedulerSide:
         self._sync_loads = []
         for job in meta.loads:
             st = self.reqs.get(job.req_id)
-            if st is not None:
+            if st is not None and not job.is_async:
                 self._unpin_next.append(st)
+        # Async loads whose reads (here) have all finished: the worker stops waiting for their chunks.
         for st in self.reqs.values():
-            job = st.pending_load
-            if job is not None and (st.prefetch is None or st.prefetch.done()):
-                self._observe_prefetch_done(st)
-                # Pin what reached DRAM so nothing evicts it before the worker copies it out.
-                more = self.store.pin([k for k in job.keys if k not in st.pinned])
-                st.pinned += [k for k, ok in zip([k for k in job.keys if k not in st.pinned], more, strict=True) if ok]
-                meta.loads.append(job)
-                st.pending_load = None
+            if st.pending_load is not None and not st.settled_sent and (st.prefetch is None or st.prefetch.done()):
+                st.settled_sent = True
+                meta.settled.append(st.req_id)
+        meta.cancel_loads, self._cancel_loads = self._cancel_loads, []
         if self.s.save:
             self._plan_saves(scheduler_output, meta)
         meta.await_saves, self._await_saves = self._await_saves, []
@@ -296,10 +304,16 @@ class SchedulerSide:
                 self.cost.observe_copy(wm.load_bytes, wm.load_seconds)
             if wm.step_tokens and wm.forward_seconds:
                 self.cost.observe_prefill(wm.step_tokens, wm.forward_seconds)
+            if wm.disk_bytes and wm.disk_seconds:
+                self.cost.observe_disk(wm.disk_bytes, wm.disk_seconds)
         for rid in getattr(output, "finished_recving", None) or ():
             st = self.reqs.get(rid)
             if st is not None:
+                st.pending_load = None
                 self._unpin(st)
+
+    def cost_snapshot(self) -> dict[str, Any]:
+        return self.cost.snapshot() | {"disk_outstanding": self.disk_meter.outstanding}
 
     def _unpin(self, st: _Req) -> None:
         if st.pinned:
@@ -316,10 +330,9 @@ class SchedulerSide:
             if n:
                 self.counters.inc("prefetch_cancelled_chunks", n)
         if st.pending_load is not None:
-            # vLLM frees this request's blocks only once a worker reports the load finished: hand the job
-            # over, marked cancelled, so the worker reports it without copying.
-            st.pending_load.cancelled = True
-            self._sync_loads.append(st.pending_load)
+            # The worker has the job; vLLM frees the blocks once the worker reports it finished: tell it to
+            # stop copying (its pins are released with the job).
+            self._cancel_loads.append(st.req_id)
             st.pending_load = None
             self._unpin(st)
             return False

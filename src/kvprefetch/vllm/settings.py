@@ -4,6 +4,42 @@ The extra config is the store's own config (see ``kvprefetch.config.StoreConfig`
 ``prefetch``, ``dram``, ``disk``, ``io``), optionally based on a YAML file named by ``config_path``, plus the
 connector's own keys below. An empty extra config works: a DRAM pool and a disk tier under the user's cache
 directory with the store's default size caps.
+
+How loads happen (``prefetch`` x ``load_mode``; the benchmark's modes in brackets):
+
+=================  ==============  ==================================================================================
+``prefetch``       ``load_mode``   behaviour
+=================  ==============  ==================================================================================
+true (default)     async (default) A request's disk hits start moving into DRAM when it *arrives*, while it waits
+                                   behind others [``prefetch``]. Chunks already in DRAM when the scheduler reaches
+                                   the request are loaded layer by layer inside that step's forward pass; chunks
+                                   still on disk make the request wait (``WAITING_FOR_REMOTE_KVS``) without
+                                   blocking the other requests.
+false              async           Reads start only when the scheduler reaches the request; only that request
+                                   waits for them [``ondemand``].
+false              sync            Reads start when the scheduler reaches the request and run inside the engine
+                                   step, which blocks until they are done (LMCache's in-process connector)
+                                   [``ondemand-sync``].
+true               sync            Prefetch on arrival, and whatever is still on disk when the request is reached
+                                   is read inside the step.
+=================  ==============  ==================================================================================
+
+In every mode ``load_policy: auto`` loads a hit only where the cost model (``costmodel.py``: measured prefill
+speed against measured tier throughput and queue) says loading beats recomputing; ``load_margin`` > 1 makes it
+more reluctant.
+
+Connector keys (besides the store's):
+
+* ``load_mode``: ``async`` (default) or ``sync``, see above.
+* ``load_policy``: ``auto`` (default), ``always`` (load every hit), ``never`` (save only).
+* ``load_margin``: load a prefix only if its load time * margin <= its recompute time (default 1.0).
+* ``prefill_tps_prior`` / ``disk_bps_prior``: rates assumed until measured (default: none / the tier's
+  ``io.read_rate_limit_bps`` or 1 GB/s).
+* ``layerwise``: load layer by layer inside the forward pass (default true).
+* ``save``: save new whole chunks (default true).
+* ``on_load_failure``: ``recompute`` (default: a failed chunk is a miss) or ``fail`` (vLLM's own policy).
+* ``model_id``, ``tenant``: chunk-key identity and tenant salt.
+* ``metrics_port``, ``metrics_dir``, ``log_interval_s``: Prometheus export and the one-line log summary.
 """
 
 from __future__ import annotations
@@ -14,11 +50,13 @@ from typing import Any, Literal
 from kvprefetch.config import StoreConfig
 
 LoadPolicy = Literal["auto", "always", "never"]
+LoadMode = Literal["async", "sync"]
 
 _CONNECTOR_KEYS = {
     "model_id": "Model identity used in chunk keys (default: the model path/name and revision).",
     "tenant": "Salt isolating tenants that share a cache.",
     "load_policy": "auto (load only what beats recompute), always, never (save only).",
+    "load_mode": "async (default: a request whose chunks are on disk waits alone) or sync (the step waits).",
     "layerwise": "Load layer by layer inside the forward pass (default true).",
     "save": "Save new whole chunks to the store (default true).",
     "metrics_port": "Serve Prometheus metrics on this port (scheduler process).",
@@ -37,6 +75,7 @@ class ConnectorSettings:
     model_id: str | None = None
     tenant: str | None = None
     load_policy: LoadPolicy = "auto"
+    load_mode: LoadMode = "async"
     layerwise: bool = True
     save: bool = True
     metrics_port: int | None = None
@@ -65,6 +104,9 @@ def parse_extra_config(extra: dict[str, Any] | None) -> ConnectorSettings:
     s.model_id = own.get("model_id")
     s.tenant = own.get("tenant")
     s.load_policy = policy
+    s.load_mode = own.get("load_mode", "async")
+    if s.load_mode not in ("async", "sync"):
+        raise ValueError(f"load_mode must be async or sync, got {s.load_mode!r}")
     s.layerwise = _bool(own.get("layerwise", True), "layerwise")
     s.save = _bool(own.get("save", True), "save")
     s.metrics_port = _opt_int(own.get("metrics_port"), "metrics_port")

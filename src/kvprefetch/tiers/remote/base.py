@@ -18,6 +18,7 @@ class RemoteBackend(ABC):
     read from a shared tier is ever deserialised beyond our fixed binary header, which is verified."""
 
     name: str = "remote"
+    batch_size: int = 16  # chunks per round trip (see `kvprefetch remotebench` for the measured choice)
 
     @abstractmethod
     def exists(self, names: list[str]) -> list[bool]:

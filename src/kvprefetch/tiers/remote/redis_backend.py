@@ -12,6 +12,7 @@ _DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDown
 
 class RedisBackend(RemoteBackend):
     name = "redis"
+    batch_size = 1  # parallel single GETs on the I/O threads beat one pipeline here (remotebench)
 
     def __init__(self, url: str, cluster: bool, timeout_s: float, ttl_s: int | None, password: str | None,
                  username: str | None, ssl_ca_certs: str | None):  # fmt: skip

@@ -91,22 +91,36 @@ class RemoteTier:
 
     def read_into(self, key: bytes, image: memoryview) -> int:
         """Read and verify key's image; return payload size. Raises ChunkMissing, CorruptChunk, RemoteUnavailable."""
-        name = self.name_of(key)
-        (size,) = self._call(self.backend.read_into, [name], [image])
-        if size < 0:
-            raise ChunkMissing(key.hex())
-        try:
-            if size > len(image):
-                raise CorruptChunk(f"remote value of {size} B is larger than a chunk image")
-            header = verify_image(image[:size], key)
-        except CorruptChunk as err:
-            self.counters["corrupt"] += 1
-            log.warning("kvprefetch: remote value %s failed verification (%s); dropping it", name, err)
+        (result,) = self.read_many([key], [image])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def read_many(self, keys: list[bytes], images: list[memoryview]) -> list[int | Exception]:
+        """One batched transfer; per key the verified payload size, or the ChunkMissing/CorruptChunk it failed
+        with. Raises RemoteUnavailable (for the whole batch) when the backend cannot be reached."""
+        names = [self.name_of(k) for k in keys]
+        sizes = self._call(self.backend.read_into, names, images)
+        results: list[int | Exception] = []
+        bad: list[str] = []
+        for key, name, image, size in zip(keys, names, images, sizes, strict=True):
+            if size < 0:
+                results.append(ChunkMissing(key.hex()))
+                continue
+            try:
+                if size > len(image):
+                    raise CorruptChunk(f"remote value of {size} B is larger than a chunk image")
+                results.append(verify_image(image[:size], key).payload_nbytes)
+                self.counters["reads"] += 1
+            except CorruptChunk as err:
+                self.counters["corrupt"] += 1
+                log.warning("kvprefetch: remote value %s failed verification (%s); dropping it", name, err)
+                bad.append(name)
+                results.append(err)
+        if bad:
             with contextlib.suppress(RemoteUnavailable):
-                self._call(self.backend.delete, [name])
-            raise
-        self.counters["reads"] += 1
-        return header.payload_nbytes
+                self._call(self.backend.delete, bad)
+        return results
 
     def write(self, key: bytes, image: memoryview) -> None:
         """Share one chunk image. Raises RemoteUnavailable (down) or RemoteRejected (e.g. full)."""

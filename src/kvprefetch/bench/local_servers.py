@@ -1,4 +1,4 @@
-"""Real servers for tests: redis-server and mooncake_master on free loopback ports, started and stopped here."""
+"""Local servers for tests and benchmarks: redis-server and mooncake_master on free loopback ports."""
 
 from __future__ import annotations
 
