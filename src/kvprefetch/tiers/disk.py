@@ -21,6 +21,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from kvprefetch.tiers.chunk_format import ALIGN, HEADER_BYTES, CorruptChunk, image_bytes, verify_image
+from kvprefetch.tiers.dram import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,8 @@ class DiskTier:
                         continue
                     found.append((st.st_mtime, bytes.fromhex(name[:64]), st.st_size))
                 elif (m := _TEMP_NAME.match(name)) is not None:
-                    if not _writer_alive(int(m.group(2))):
+                    writer = int(m.group(2))
+                    if writer != os.getpid() and not pid_alive(writer):
                         self._remove(Path(entry.path), "temp_removed", "left by a writer that died")
                 else:
                     self._foreign(Path(entry.path))
@@ -257,18 +259,6 @@ class DiskTier:
             "direct_io": self.direct_io,
             **self.counters,
         }
-
-
-def _writer_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _fsync_dir(path: Path) -> None:

@@ -109,7 +109,8 @@ def pool_directory(name: str, backing: str, pool_bytes: int) -> Path:
     return SHM_DIR
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on the node (another user's counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -238,7 +239,7 @@ class SharedChunkPool:
         reaped = 0
         for row in np.flatnonzero(self.procs != 0):
             pid = int(self.procs[row])
-            if pid != os.getpid() and not _pid_alive(pid):
+            if pid != os.getpid() and not pid_alive(pid):
                 writing = np.flatnonzero((self.pins[row] > 0) & (self.slots["state"] == WRITING))
                 self.slots["state"][writing] = FREE  # a dead writer's half-written slot is garbage
                 self.pins[row, :] = 0
