@@ -1,0 +1,109 @@
+"""Redis as deployed: with AUTH, over TLS, and as a Redis Cluster (keys spread over slots and nodes)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from kvprefetch.bench.local_servers import RedisServer, free_port, wait_port
+from kvprefetch.store import Tier
+from tests.remote.conftest import remote_section
+from tests.store.conftest import chunk_payload
+
+CHUNK = 64 * 1024
+
+
+def _round_trip(open_node, keyer, remote: dict) -> int:
+    node_a, node_b = open_node(remote), open_node(remote)
+    keys = keyer.keys(range(16 * 8))
+    node_a.put(keys, [chunk_payload(k) for k in keys]).result(30)
+    out = [np.zeros(CHUNK, np.uint8) for _ in keys]
+    n = node_b.get_into(keys, out)
+    assert all((o == chunk_payload(k)).all() for o, k in zip(out[:n], keys[:n], strict=True))
+    return n
+
+
+def test_auth_with_the_right_password_works_and_a_wrong_one_is_a_miss(open_node, keyer, tmp_path, caplog):
+    server = RedisServer(tmp_path, "--requirepass", "s3cret")
+    try:
+        good = remote_section("redis", redis_server=server)
+        good["redis"]["password"] = "s3cret"
+        assert _round_trip(open_node, keyer, good) == 8
+        bad = remote_section("redis", redis_server=server)
+        bad["redis"]["password"] = "wrong"
+        node = open_node(bad)
+        keys = keyer.keys(range(16 * 2))
+        assert node.lookup(keys).num_hit_chunks == 0
+        node.put(keys, [chunk_payload(k) for k in keys]).result(30)  # local tiers still take it
+        assert node.lookup(keys).tiers == [Tier.DRAM, Tier.DRAM]
+        assert "unavailable" in caplog.text and "redis" in caplog.text
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def tls_files(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    ca_key, ca, key, csr, cert = (tmp_path / n for n in ("ca.key", "ca.crt", "srv.key", "srv.csr", "srv.crt"))
+    run = lambda *a: subprocess.run(a, check=True, capture_output=True)  # noqa: E731
+    run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
+        "-keyout", str(ca_key), "-out", str(ca))  # fmt: skip
+    run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", str(key),
+        "-out", str(csr))  # fmt: skip
+    ext = tmp_path / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    run("openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
+        "-days", "1", "-extfile", str(ext), "-out", str(cert))  # fmt: skip
+    return ca, cert, key
+
+
+def test_tls(open_node, keyer, tmp_path, tls_files):
+    ca, cert, key = tls_files
+    tls_port = free_port()
+    tls = ["--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+           "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"]  # fmt: skip
+    server = RedisServer(tmp_path, *tls)
+    try:
+        wait_port(tls_port)
+        remote = remote_section("redis", redis_server=server)
+        remote["redis"] = {"url": f"rediss://127.0.0.1:{tls_port}/0", "ssl_ca_certs": str(ca)}
+        assert _round_trip(open_node, keyer, remote) == 8
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def redis_cluster(tmp_path):
+    nodes = []
+    try:
+        for i in range(3):
+            work = tmp_path / f"n{i}"
+            work.mkdir()
+            nodes.append(RedisServer(work, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"))
+        addrs = [f"127.0.0.1:{n.port}" for n in nodes]
+        subprocess.run(["redis-cli", "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=60)  # fmt: skip
+        for n in nodes:  # wait until every node agrees the cluster is up
+            for _ in range(100):
+                info = subprocess.run(["redis-cli", "-p", str(n.port), "cluster", "info"], capture_output=True,
+                                      text=True).stdout  # fmt: skip
+                if "cluster_state:ok" in info:
+                    break
+                __import__("time").sleep(0.1)
+        yield nodes
+    finally:
+        for n in nodes:
+            n.kill()
+
+
+def test_redis_cluster_spreads_chunks_over_nodes(open_node, keyer, redis_cluster):
+    remote = remote_section("redis", redis_server=redis_cluster[0])
+    remote["redis"]["cluster"] = True
+    assert _round_trip(open_node, keyer, remote) == 8
+    counts = [int(subprocess.run(["redis-cli", "-p", str(n.port), "dbsize"], capture_output=True, text=True)
+                  .stdout.strip() or 0) for n in redis_cluster]  # fmt: skip
+    assert sum(counts) == 8 and sum(1 for c in counts if c) >= 2, counts
