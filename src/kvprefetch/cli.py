@@ -127,9 +127,11 @@ def _print_iobench(result, base: Path) -> None:
 def _register_subcommands() -> None:
     from kvprefetch.bench.remotebench_cli import register as register_remotebench
     from kvprefetch.sim.cli import register as register_sim
+    from kvprefetch.status_cli import register as register_status
 
     register_sim(app)
     register_remotebench(app)
+    register_status(app)
 
 
 _register_subcommands()

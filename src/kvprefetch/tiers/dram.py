@@ -158,6 +158,19 @@ class SharedChunkPool:
         self.created = created
         self._closed = False
 
+    @classmethod
+    def attach(cls, name: str, directory: str | os.PathLike = SHM_DIR) -> SharedChunkPool:
+        """Attach to an existing pool with whatever geometry it has (for inspection tools)."""
+        path = Path(directory) / f"kvprefetch-{name}.pool"
+        with open(path, "rb") as f:
+            head = f.read(_SUPER.size)
+        if len(head) < _SUPER.size:
+            raise PoolGeometryError(f"{path} is empty or truncated")
+        magic, version, max_procs, slot_bytes, n_slots, _data, _tick = _SUPER.unpack(head)
+        if magic != POOL_MAGIC or version != POOL_VERSION:
+            raise PoolGeometryError(f"{path} is not a kvprefetch pool (or an older version)")
+        return cls(name, slot_bytes, slot_bytes * n_slots, max_procs, hugepages=False, directory=directory)
+
     # ---- setup -------------------------------------------------------------------------------------------
     def _map_or_init(self, want: PoolGeometry, hugepages: bool) -> bool:
         """Map an existing pool (checking its geometry) or lay out a new one. Returns True if created."""
