@@ -25,6 +25,7 @@ def pools_on_node() -> list[Path]:
 def status(
     config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML file naming the disk tier.")] = None,
     reap: Annotated[bool, typer.Option(help="Release the pins and half-written slots of dead processes.")] = True,
+    # (attaching to a pool always reaps: every process does so when it attaches)
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
     """DRAM pools on this node (slots, pins, attached processes) and the configured disk tier."""
@@ -42,7 +43,7 @@ def status(
             report["pools"].append({"name": name, "path": str(path), "error": str(err)})
             continue
         with pool:
-            reaped = pool.reap_dead() if reap else 0
+            reaped = pool.reaped_at_attach + (pool.reap_dead() if reap else 0)
             stats = pool.stats()
             stats["processes"] -= 1  # not counting this command
             report["pools"].append({"path": str(path), "reaped_dead_processes": reaped, **stats})

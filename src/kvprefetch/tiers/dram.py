@@ -223,7 +223,7 @@ class SharedChunkPool:
             self._data[::4096] = 0
 
     def _claim_row(self) -> int:
-        self._reap_dead_locked()
+        self.reaped_at_attach = self._reap_dead_locked()
         pid = os.getpid()
         free = np.flatnonzero(self.procs == 0)
         if len(free) == 0:
