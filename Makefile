@@ -19,7 +19,7 @@ test-fast: setup
 	$(BIN)/python -m pytest -m "not slow"
 
 bench: setup
-	$(BIN)/kvprefetch iobench
+	$(BIN)/kvprefetch bench
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks

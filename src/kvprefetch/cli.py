@@ -125,11 +125,13 @@ def _print_iobench(result, base: Path) -> None:
 
 
 def _register_subcommands() -> None:
+    from kvprefetch.bench.bench_cli import register as register_bench
     from kvprefetch.bench.remotebench_cli import register as register_remotebench
     from kvprefetch.sim.cli import register as register_sim
     from kvprefetch.status_cli import register as register_status
 
     register_sim(app)
+    register_bench(app)
     register_remotebench(app)
     register_status(app)
 

@@ -1,0 +1,239 @@
+"""`kvprefetch bench`: the command line around `kvprefetch.bench.runner`."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+console = Console()
+
+
+def parse_engine_args(items: list[str]) -> dict:
+    """['max_num_batched_tokens=4096', 'enforce_eager=false'] -> {...}; values parsed as JSON where they parse."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(f"--engine-arg takes key=value, got {item!r}")
+        try:
+            out[key.strip().replace("-", "_")] = json.loads(value)
+        except ValueError:
+            out[key.strip().replace("-", "_")] = value
+    return out
+
+
+def parse_list(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise typer.BadParameter(f"expected a comma-separated list of integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise typer.BadParameter(f"concurrency levels must be positive integers, got {text!r}")
+    return vals
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("bench")
+    def bench(
+        mode: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--mode",
+                "-m",
+                help="Modes to run (repeat or comma list); "
+                "default: all (recompute, ondemand, ondemand-sync, prefetch, dram, vllm-example, lmcache).",
+            ),
+        ] = None,
+        concurrency: Annotated[
+            str | None, typer.Option(help="Concurrency levels, e.g. 1,4,8,16 (the default).")
+        ] = None,
+        regime: Annotated[
+            str,
+            typer.Option(
+                help="R = recompute time / slowest-tier load time per chunk, enforced by "
+                "a read throttle; 'native' for none."
+            ),
+        ] = "10",
+        model: Annotated[
+            str | None, typer.Option(help="Model path or name (default: the packaged tiny dummy Llama).")
+        ] = None,
+        engine_arg: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--engine-arg",
+                help="vLLM engine argument key=value (repeatable), e.g. dtype=bfloat16, tensor_parallel_size=2.",
+            ),
+        ] = None,
+        out: Annotated[
+            Path | None, typer.Option(help="Output directory (default: bench-results/<timestamp>/).")
+        ] = None,
+        quick: Annotated[
+            bool, typer.Option("--quick", help="Two concurrency levels, fewer sessions (~5 min here).")
+        ] = False,
+        trace: Annotated[
+            Path | None, typer.Option(help="Replay a Mooncake-format trace instead of synthetic chat.")
+        ] = None,
+        trace_length_scale: Annotated[
+            float, typer.Option(help="Trace token lengths x this (512 x it must be whole).")
+        ] = 1 / 8,
+        trace_time_scale: Annotated[
+            float, typer.Option(help="Trace arrival times x this (with --trace-timestamps).")
+        ] = 1.0,
+        trace_timestamps: Annotated[
+            bool, typer.Option(help="Honour trace arrival times (else: as fast as the concurrency allows).")
+        ] = False,
+        system_tokens: Annotated[int | None, typer.Option(help="Chat: shared system prompt tokens.")] = None,
+        history_tokens: Annotated[int | None, typer.Option(help="Chat: first (long) message tokens.")] = None,
+        user_tokens: Annotated[int | None, typer.Option(help="Chat: follow-up message tokens.")] = None,
+        output_tokens: Annotated[int | None, typer.Option(help="Chat: answer tokens.")] = None,
+        turns: Annotated[int | None, typer.Option(help="Chat: measured turns per session.")] = None,
+        think_s: Annotated[float | None, typer.Option(help="Chat: mean think time between turns (s).")] = None,
+        sessions_per_concurrency: Annotated[
+            float | None, typer.Option(help="Chat: sessions per level = max(min, this x concurrency).")
+        ] = None,
+        no_reuse: Annotated[
+            bool,
+            typer.Option(
+                "--no-reuse",
+                help="Chat without any reuse (no prelude, no system prompt, one turn): "
+                "the cost of the connector on misses.",
+            ),
+        ] = False,
+        chunk_tokens: Annotated[
+            int | None, typer.Option(help="kvprefetch chunk size in tokens (default 256; 128 with --trace).")
+        ] = None,
+        kv_cache: Annotated[
+            str | None, typer.Option(help="Engine KV cache size (default: 4 longest requests).")
+        ] = None,
+        dram: Annotated[
+            str | None,
+            typer.Option(help="DRAM tier size of the non-dram modes (default: 1.5x the in-flight requests' KV)."),
+        ] = None,
+        cache_dir: Annotated[Path | None, typer.Option(help="Where the disk tiers go (default: the temp dir).")] = None,
+        keep_cache: Annotated[bool, typer.Option(help="Keep the disk tiers and engine logs.")] = False,
+        cell_timeout: Annotated[float, typer.Option(help="Seconds one mode x concurrency may take.")] = 1800,
+    ) -> None:
+        """The main benchmark: TTFT and throughput of tiered prefetch vs recompute, on-demand loads, all-in-DRAM and
+        vLLM's own connector, on real vLLM engines, over a concurrency sweep, in a declared storage regime."""
+        from kvprefetch.bench.modes import MODES
+        from kvprefetch.bench.regime import parse_regime
+        from kvprefetch.bench.runner import QUICK_CONCURRENCY, BenchOptions
+        from kvprefetch.bench.workloads import TraceBench
+        from kvprefetch.cli import parse_size
+
+        modes = [m.strip() for item in (mode or []) for m in item.split(",") if m.strip()]
+        for m in modes:
+            if m not in MODES:
+                raise typer.BadParameter(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+        try:
+            r = parse_regime(regime)
+        except ValueError as err:
+            raise typer.BadParameter(str(err)) from None
+        opts = BenchOptions(regime=r, model=model, engine_args=parse_engine_args(engine_arg or []), quick=quick,
+                            chunk_tokens=chunk_tokens, cache_dir=cache_dir, keep_cache=keep_cache,
+                            cell_timeout_s=cell_timeout)  # fmt: skip
+        if modes:
+            opts.modes = modes
+        if quick:
+            opts.concurrency = list(QUICK_CONCURRENCY)
+            opts.chat = replace(opts.chat, min_sessions=2, sessions_per_concurrency=1.0)
+        if concurrency:
+            opts.concurrency = parse_list(concurrency)
+        chat_kw = {k: v for k, v in dict(system_tokens=system_tokens, history_tokens=history_tokens,
+                   user_tokens=user_tokens, output_tokens=output_tokens, measured_turns=turns, think_s=think_s,
+                   sessions_per_concurrency=sessions_per_concurrency).items() if v is not None}  # fmt: skip
+        if no_reuse:
+            chat_kw["reuse"] = False
+        opts.chat = replace(opts.chat, **chat_kw)
+        opts.chunk_tokens = chunk_tokens or (128 if trace is not None else 256)
+        if trace is not None:
+            opts.trace = TraceBench(path=str(trace), length_scale=trace_length_scale, time_scale=trace_time_scale,
+                                    use_timestamps=trace_timestamps)  # fmt: skip
+            if quick:
+                opts.trace = replace(opts.trace, prelude=16, min_requests=4, requests_per_concurrency=1.0)
+        if kv_cache:
+            opts.kv_cache_bytes = parse_size(kv_cache)
+        if dram:
+            opts.dram_bytes = parse_size(dram)
+        opts.out = out or Path("bench-results") / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        run_and_report(opts)
+
+
+def run_and_report(opts) -> dict:
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from kvprefetch.bench.client import EngineError
+    from kvprefetch.bench.report import rich_table, row_cells, write_outputs
+    from kvprefetch.bench.runner import Bench, simulator_prediction
+
+    levels = ",".join(map(str, opts.concurrency))
+    console.print(
+        f"[bold]kvprefetch bench[/bold]: modes {', '.join(opts.modes)}; concurrency {levels}; "
+        f"regime {opts.regime or 'native'}; out {opts.out}"
+    )
+    with Progress(
+        TextColumn("[bold]bench[/bold] {task.description}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+    ) as bar:
+        task = bar.add_task("starting", total=1.0)
+
+        def progress(desc: str, done: float, total: float) -> None:
+            kw = {"completed": done, "total": max(total, 1e-9)}
+            if desc:
+                kw["description"] = desc
+            bar.update(task, **kw)
+
+        def on_row(row: dict) -> None:
+            cells = row_cells(row)
+            if row.get("status") == "ok":
+                bar.console.print(
+                    f"  {row['mode']:<13} c={row['concurrency']:<3} TTFT p50 {cells[3]} s, p90 {cells[4]} s, "
+                    f"{cells[7]} out tok/s, hit {cells[9]}, disk {cells[12]}, errors {row.get('errors')}, "
+                    f"other CPU {cells[-1]}"
+                )
+            else:
+                bar.console.print(
+                    f"  {row['mode']:<13} c={row['concurrency']:<3} {row.get('status')}: {row.get('reason')}"
+                )
+
+        bench = Bench(opts, progress=progress, on_row=on_row, log=bar.console.print)
+        try:
+            results = bench.run()
+        except EngineError as err:
+            bar.stop()
+            console.print(f"[red]kvprefetch bench: {err}[/red]")
+            console.print(f"engine logs kept in {getattr(bench, 'work', '?')}")
+            raise typer.Exit(1) from None
+    results["simulator_prediction"] = simulator_prediction(results)
+    files = write_outputs(results, opts.out)
+    reg = results["regime"]
+    title = f"kvprefetch bench: {results['workload']['name']}, regime asked {reg.get('asked')}"
+    if reg.get("measured"):
+        title += f", measured R = {reg['measured']:.1f}"
+    wide = console if console.is_terminal and console.width >= 160 else Console(width=max(console.width, 170))
+    wide.print(rich_table(results["rows"], title=title))
+    for r in results["rows"]:
+        if r.get("status") != "ok":
+            console.print(f"[yellow]{r['mode']} @ {r['concurrency']}: {r.get('status')}: {r.get('reason')}[/yellow]")
+    for n in results.get("notes", []):
+        console.print(f"[yellow]note:[/yellow] {n.splitlines()[0]}")
+    console.print(f"wrote {', '.join(str(opts.out / f) for f in files)}")
+    return results

@@ -1,0 +1,88 @@
+"""Start a benchmark engine process (`engine_proc`) and talk to it in JSON lines."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from kvprefetch.bench.engine_proc import MARK
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class EngineProcess:
+    def __init__(self, spec: dict, log_path: Path, start_timeout: float = 900):
+        self.log_path = log_path
+        env = dict(os.environ)
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        env["PYTHONUNBUFFERED"] = "1"
+        self._log = open(log_path, "w")  # noqa: SIM115  (closed in close())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvprefetch.bench.engine_proc", json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=env,
+        )
+        self._q: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.ready = self._wait(start_timeout)
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                self._q.put(json.loads(line[len(MARK) :]))
+            else:
+                with self._lock:
+                    self._log.write(line)
+        self._q.put(None)
+
+    def _wait(self, timeout: float) -> dict:
+        try:
+            msg = self._q.get(timeout=timeout)
+        except queue.Empty:
+            raise EngineError(f"engine did not answer in {timeout:.0f}s; log: {self.log_path}") from None
+        if msg is None:
+            raise EngineError(f"engine exited (code {self.proc.wait()}); log tail:\n{self.tail()}")
+        if "error" in msg:
+            raise EngineError(msg["error"] + ("\n" + msg["trace"] if msg.get("trace") else ""))
+        return msg
+
+    def tail(self, n: int = 40) -> str:
+        with self._lock:
+            self._log.flush()
+        try:
+            return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-n:])
+        except OSError:
+            return ""
+
+    def call(self, op: str, timeout: float = 1800, **kw) -> dict:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise EngineError(f"engine is gone; log tail:\n{self.tail()}") from None
+        return self._wait(timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(Exception):
+                self.call("exit", timeout=60)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()

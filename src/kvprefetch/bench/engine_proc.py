@@ -1,0 +1,448 @@
+"""One benchmark engine: a vLLM `LLMEngine` in this process, driven by JSON lines on stdin.
+
+    python -m kvprefetch.bench.engine_proc '<json spec>'
+
+The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the scheduler and the worker share this
+process: the driver adds requests at their arrival times and steps the engine itself, and the connector's
+counters and its stores' I/O statistics are read here directly. Replies are single lines prefixed with
+``@@KVB `` on stdout (vLLM logs to the same streams). When the spec names a cgroup, the process moves itself
+into it before anything starts, so every thread it creates is throttled there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import json
+import os
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+MARK = "@@KVB "
+
+
+def _reply(obj: Any) -> None:
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _join_cgroup(path: str | None) -> None:
+    if path:
+        Path(path, "cgroup.procs").write_text(str(os.getpid()))
+
+
+def _proc_io() -> dict[str, int]:
+    """Bytes this process made the storage layer read/write (O_DIRECT included; page-cache hits excluded)."""
+    out = {}
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            k, _, v = line.partition(":")
+            out[k.strip()] = int(v)
+    except OSError:
+        pass
+    return {"read_bytes": out.get("read_bytes", 0), "write_bytes": out.get("write_bytes", 0)}
+
+
+# ---- the engine -----------------------------------------------------------------------------------------------
+def build_engine(spec: dict):
+    from vllm import EngineArgs, LLMEngine
+
+    kwargs: dict[str, Any] = dict(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype=spec.get("dtype", "auto"),
+        max_model_len=spec["max_model_len"],
+        kv_cache_memory_bytes=spec["kv_cache_bytes"],
+        max_num_seqs=spec["max_num_seqs"],
+        max_num_batched_tokens=spec["max_num_batched_tokens"],
+        enable_prefix_caching=True,
+        enforce_eager=spec.get("enforce_eager", True),
+        seed=0,
+    )
+    if spec.get("load_format"):
+        kwargs["load_format"] = spec["load_format"]
+    if spec.get("kv_transfer_config"):
+        kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    kwargs.update(spec.get("engine_args") or {})
+    return LLMEngine.from_engine_args(EngineArgs(**kwargs))
+
+
+def _live_connectors() -> list:
+    try:
+        from kvprefetch.vllm.connector import live_connectors
+    except Exception:
+        return []
+    return live_connectors()
+
+
+def counters_snapshot() -> dict:
+    """The connector's counters (scheduler + worker sides) and the stores' I/O stats, plus /proc/self/io."""
+    snap: dict[str, Any] = {"counters": {}, "store": {}, "io": {}, "proc": _proc_io()}
+    conns = _live_connectors()
+    if conns:
+        from kvprefetch.vllm.metrics import snapshot_all
+
+        snap["counters"] = snapshot_all()
+    for c in conns:
+        store = getattr(c, "store", None)
+        if store is None:
+            continue
+        st = store.stats()
+        for k, v in (st.get("store") or {}).items():
+            snap["store"][k] = snap["store"].get(k, 0) + int(v)
+        for key, io in (st.get("io") or {}).items():
+            agg = snap["io"].setdefault(key, {"bytes": 0, "ops": 0, "busy_seconds": 0.0, "errors": 0})
+            agg["bytes"] += int(io.get("bytes", 0))
+            agg["ops"] += int(io.get("ops", 0))
+            agg["busy_seconds"] += float(io.get("busy_seconds", 0.0))
+            agg["errors"] += int(io.get("errors", 0))
+    return snap
+
+
+def _scheduler_connector():
+    for c in _live_connectors():
+        if getattr(c, "_sched", None) is not None:
+            return c
+    return None
+
+
+class Driver:
+    """Adds each turn at its arrival time, steps the engine, and timestamps every output token."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._prefill: dict[str, tuple[int, int]] = {}
+        core = getattr(engine, "engine_core", None)
+        get_output = getattr(core, "get_output", None)
+        if get_output is not None:
+            # Per-request split of cached prompt tokens (engine prefix cache vs connector), which vLLM reports
+            # only on the engine-core outputs.
+            def wrapped():
+                out = get_output()
+                for o in getattr(out, "outputs", ()) or ():
+                    ps = getattr(o, "prefill_stats", None)
+                    if ps is not None:
+                        rid = str(o.request_id).rsplit("-", 1)[0]
+                        self._prefill[rid] = (int(ps.num_local_cached_tokens), int(ps.num_external_cached_tokens))
+                return out
+
+            core.get_output = wrapped
+
+    def run(self, sessions: list[dict], concurrency: int, timeout_s: float, tag: str) -> dict:
+        from vllm import SamplingParams
+
+        eng = self.engine
+        clock = time.perf_counter
+        t0 = clock()
+        pending = sorted(range(len(sessions)), key=lambda i: (sessions[i]["arrival_s"], i))
+        pending.reverse()  # pop() from the end = earliest first
+        active = 0
+        due: list[tuple[float, int, int, int]] = []  # (arrival, seq, session, turn)
+        seq = 0
+        recs: dict[str, dict] = {}
+        live: set[str] = set()
+        errors: list[str] = []
+
+        def start_sessions(now: float) -> None:
+            nonlocal active, seq
+            while pending and active < concurrency and sessions[pending[-1]]["arrival_s"] <= now:
+                i = pending.pop()
+                active += 1
+                heapq.heappush(due, (max(sessions[i]["arrival_s"], now), seq, i, 0))
+                seq += 1
+
+        def submit(now: float) -> None:
+            nonlocal seq
+            while due and due[0][0] <= now:
+                arrival, _, i, k = heapq.heappop(due)
+                turn = sessions[i]["turns"][k]
+                rid = f"{tag}-{sessions[i]['sid']}-t{k}"
+                recs[rid] = {
+                    "sid": sessions[i]["sid"], "turn": k, "session": i, "prompt_tokens": len(turn["tokens"]),
+                    "arrival": arrival, "submitted": now, "token_times": [], "error": None,
+                }  # fmt: skip
+                sp = SamplingParams(max_tokens=int(turn["max_tokens"]), temperature=0.0, ignore_eos=True)
+                try:
+                    eng.add_request(rid, {"prompt_token_ids": turn["tokens"]}, sp)
+                    live.add(rid)
+                except Exception as err:  # a request the engine refuses counts as an error, not a crash
+                    recs[rid]["error"] = f"{type(err).__name__}: {err}"
+                    finish(rid, now)
+
+        def finish(rid: str, now: float) -> None:
+            nonlocal active, seq
+            rec = recs[rid]
+            rec["finish"] = now
+            i, k = rec["session"], rec["turn"]
+            turns = sessions[i]["turns"]
+            if rec["error"] is None and k + 1 < len(turns):
+                heapq.heappush(due, (now + float(turns[k + 1].get("think_s", 0.0)), seq, i, k + 1))
+                seq += 1
+            else:
+                active -= 1
+                start_sessions(now)
+
+        start_sessions(0.0)
+        deadline = t0 + timeout_s
+        while pending or due or live:
+            now = clock() - t0
+            start_sessions(now)
+            submit(now)
+            if clock() > deadline:
+                for rid in list(live):
+                    recs[rid]["error"] = "timeout"
+                    live.discard(rid)
+                with contextlib.suppress(Exception):
+                    eng.abort_request([r for r, v in recs.items() if v["error"] == "timeout"])
+                errors.append(f"cell timed out after {timeout_s:.0f}s")
+                break
+            if live:
+                outs = eng.step()
+                now = clock() - t0
+                for o in outs:
+                    rid = o.request_id
+                    rec = recs.get(rid)
+                    if rec is None:
+                        continue
+                    c = o.outputs[0] if o.outputs else None
+                    n = len(c.token_ids) if c is not None else 0
+                    rec["token_times"] += [now] * (n - len(rec["token_times"]))
+                    if o.finished:
+                        live.discard(rid)
+                        reason = getattr(c, "finish_reason", None) if c is not None else None
+                        if reason not in ("length", "stop") or not rec["token_times"]:
+                            rec["error"] = f"finish_reason={reason}"
+                        rec["cached_tokens"] = int(o.num_cached_tokens or 0)
+                        local, ext = self._prefill.pop(rid, (None, None))
+                        rec["cached_local"], rec["cached_external"] = local, ext
+                        finish(rid, now)
+            else:
+                nxt = [due[0][0]] if due else []
+                if pending and active < concurrency:
+                    nxt.append(sessions[pending[-1]]["arrival_s"])
+                wait = (min(nxt) - now) if nxt else 0.01
+                time.sleep(min(max(wait, 0.0), 0.05))
+        wall = clock() - t0
+        out = []
+        for rec in recs.values():
+            tt = rec.pop("token_times")
+            rec["first_token"] = tt[0] if tt else None
+            rec["output_tokens"] = len(tt)
+            rec["itl"] = [b - a for a, b in itertools.pairwise(tt)]
+            rec.pop("session", None)
+            out.append(rec)
+        return {"records": out, "wall_s": wall, "errors": errors}
+
+
+def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, vocab) for _ in range(n)]
+
+
+def calibrate(driver: Driver, prompt_tokens: int, repeats: int, decode_tokens: int, vocab: int) -> dict:
+    """Prefill speed on fresh prompts (one at a time) and the decode step, on this engine.
+
+    The fastest sample is the estimate: on a shared machine other processes only ever slow a sample down, and
+    the CPU time they took during the calibration is reported next to it (``foreign_cpu_cores``).
+    """
+    cpu0 = CpuMeter()
+    speeds = []
+    for k in range(repeats):
+        s = {"sid": f"cal{k}", "arrival_s": 0.0, "turns": [{"tokens": random_prompt(prompt_tokens, vocab, 1000 + k),
+                                                            "max_tokens": 1}]}  # fmt: skip
+        r = driver.run([s], 1, 600, f"cal{k}")["records"][0]
+        if r["first_token"] is not None:
+            speeds.append(prompt_tokens / (r["first_token"] - r["arrival"]))
+    steps = []
+    for k in range(2):
+        d = {"sid": f"dec{k}", "arrival_s": 0.0,
+             "turns": [{"tokens": random_prompt(256, vocab, 900 + k), "max_tokens": decode_tokens}]}  # fmt: skip
+        itl = sorted(driver.run([d], 1, 600, f"dec{k}")["records"][0]["itl"])
+        if itl:
+            steps.append(itl[len(itl) // 2])
+    return {
+        "prefill_tokens_per_s": max(speeds) if speeds else None,
+        "prefill_samples": speeds,
+        "prompt_tokens": prompt_tokens,
+        "decode_step_s": min(steps) if steps else None,
+        "decode_step_samples": steps,
+        "foreign_cpu_cores": cpu0.foreign_cores(),
+    }
+
+
+class CpuMeter:
+    """CPU time other processes took on this machine since creation, in cores (0 = the machine was ours)."""
+
+    def __init__(self):
+        self.t0 = time.monotonic()
+        self.busy0 = _machine_busy_s()
+        self.own0 = _own_cpu_s()
+
+    def foreign_cores(self) -> float | None:
+        busy, own = _machine_busy_s(), _own_cpu_s()
+        dt_s = time.monotonic() - self.t0
+        if busy is None or own is None or self.busy0 is None or self.own0 is None or dt_s <= 0:
+            return None
+        return max(0.0, ((busy - self.busy0) - (own - self.own0)) / dt_s)
+
+
+def _machine_busy_s() -> float | None:
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except (OSError, IndexError):
+        return None
+    vals = [int(x) for x in fields]
+    busy = sum(vals[:8]) - vals[3] - (vals[4] if len(vals) > 4 else 0)  # all but idle and iowait
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float | None:
+    try:
+        t = os.times()
+    except OSError:
+        return None
+    return t.user + t.system
+
+
+def _disk_keys(root: Path) -> list[bytes]:
+    keys = []
+    for f in sorted(root.glob("??/*.kv")):
+        try:
+            keys.append(bytes.fromhex(f.name[:64]))
+        except ValueError:
+            continue
+    return keys
+
+
+def preload_dram(max_chunks: int | None = None) -> dict:
+    """Read every chunk of the disk tier into the shared DRAM pool (the `dram` mode's starting state)."""
+    c = _scheduler_connector()
+    if c is None:
+        raise RuntimeError("preload_dram needs the kvprefetch connector")
+    store = c.store
+    keys = _disk_keys(Path(store.config.disk.path))[:max_chunks]
+    t = time.perf_counter()
+    for i in range(0, len(keys), 256):
+        store.prefetch(keys[i : i + 256]).wait(timeout=600)
+    in_dram = sum(store.dram.contains_many(keys)) if keys else 0
+    return {"chunks": len(keys), "in_dram": in_dram, "seconds": time.perf_counter() - t}
+
+
+def disk_read_bandwidth(max_chunks: int, seconds: float, rate_limit_bps: int | None = None) -> dict:
+    """Cold reads disk -> DRAM through a fresh store on the same disk directory (this process's throttle)."""
+    c = _scheduler_connector()
+    if c is None:
+        raise RuntimeError("disk_read_bandwidth needs the kvprefetch connector")
+    from kvprefetch.store import TieredStore
+
+    cfg = c.store.config
+    name = f"kvb-probe-{os.getpid()}-{random.randrange(1 << 30):x}"
+    cfg = cfg.model_copy(update={"dram": cfg.dram.model_copy(update={"pool_name": name, "backing": "shm"})})
+    if rate_limit_bps:
+        cfg = cfg.model_copy(update={"io": cfg.io.model_copy(update={"read_rate_limit_bps": int(rate_limit_bps)})})
+    chunk_bytes = c.store.chunk_bytes
+    keys = _disk_keys(Path(cfg.disk.path))
+    random.Random(0).shuffle(keys)
+    keys = keys[:max_chunks]
+    cfg = cfg.model_copy(update={"dram": cfg.dram.model_copy(update={"capacity_bytes": (len(keys) + 8) * (
+        chunk_bytes + 8192)})})  # fmt: skip
+    store = TieredStore(cfg, chunk_bytes=chunk_bytes)
+    done = 0
+    t = time.perf_counter()
+    try:
+        for i in range(0, len(keys), 16):
+            h = store.prefetch(keys[i : i + 16])
+            h.wait(timeout=600)
+            done += sum(1 for v in h.results().values() if v)
+            if time.perf_counter() - t > seconds:
+                break
+        elapsed = time.perf_counter() - t
+    finally:
+        store.close()
+        with contextlib.suppress(Exception):
+            store.dram.destroy()
+    nbytes = done * chunk_bytes
+    return {"chunks": done, "bytes": nbytes, "seconds": elapsed, "bps": nbytes / elapsed if elapsed > 0 else None}
+
+
+def flush_stores() -> bool:
+    return all(c.store.flush(timeout=300) for c in _live_connectors() if getattr(c, "store", None) is not None)
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    _join_cgroup(spec.get("cgroup"))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.update(spec.get("env") or {})
+    try:
+        engine = build_engine(spec)
+    except Exception as err:
+        _reply({"error": f"engine start failed: {type(err).__name__}: {err}", "trace": traceback.format_exc()})
+        os._exit(3)
+    driver = Driver(engine)
+    workloads: dict[str, dict] = {}
+    _reply({"ready": True, "pid": os.getpid()})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        try:
+            if op == "exit":
+                _reply({"bye": True})
+                break
+            if op == "run":
+                path = cmd["file"]
+                if path not in workloads:
+                    workloads[path] = json.loads(Path(path).read_text())
+                w = workloads[path]
+                sessions = w["prelude"] if cmd["level"] == "prelude" else w["levels"][str(cmd["level"])]
+                before = counters_snapshot()
+                cpu = CpuMeter()
+                res = driver.run(sessions, int(cmd["concurrency"]), float(cmd.get("timeout_s", 1800)),
+                                 str(cmd.get("tag", cmd["level"])))  # fmt: skip
+                res["foreign_cpu_cores"] = cpu.foreign_cores()
+                if cmd.get("flush"):
+                    res["flushed"] = flush_stores()
+                res["before"], res["after"] = before, counters_snapshot()
+                _reply(res)
+            elif op == "warmup":
+                sessions = [{"sid": f"w{k}", "arrival_s": 0.0, "turns": [{"tokens": random_prompt(
+                    cmd["tokens"], cmd["vocab"], 500 + k), "max_tokens": 4}]} for k in range(cmd["n"])]  # fmt: skip
+                _reply(driver.run(sessions, cmd["n"], 600, "warm") | {"records": []})
+            elif op == "calibrate":
+                _reply(calibrate(driver, cmd["prompt_tokens"], cmd["repeats"], cmd["decode_tokens"], cmd["vocab"]))
+            elif op == "reset":
+                ok = engine.reset_prefix_cache()
+                _reply({"reset": bool(ok) if ok is not None else True})
+            elif op == "flush":
+                _reply({"flushed": flush_stores()})
+            elif op == "preload_dram":
+                _reply(preload_dram(cmd.get("max_chunks")))
+            elif op == "disk_bandwidth":
+                _reply(
+                    disk_read_bandwidth(cmd.get("max_chunks", 256), cmd.get("seconds", 10.0), cmd.get("rate_limit_bps"))
+                )
+            elif op == "geometry":
+                c = _scheduler_connector()
+                _reply(
+                    {
+                        "chunk_bytes": c.geo.chunk_bytes if c else None,
+                        "chunk_tokens": c.keyer.chunk_tokens if c else None,
+                        "block_size": c.block_size if c else None,
+                    }
+                )
+            elif op == "counters":
+                _reply(counters_snapshot())
+            else:
+                _reply({"error": f"unknown op {op!r}"})
+        except Exception as err:
+            _reply({"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()})
+    os._exit(0)  # skip interpreter teardown of the engine's threads
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The benchmark's modes: one vLLM engine each, same model and engine settings, different KV paths."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODES: dict[str, str] = {
+    "recompute": "vLLM alone: its own prefix cache (same engine KV size as the others), no external KV",
+    "ondemand": "kvprefetch, prefetch off: reads start when the scheduler reaches the request (async load)",
+    "ondemand-sync": "kvprefetch, prefetch off, loads block the engine step (LMCache's default behaviour)",
+    "prefetch": "kvprefetch, prefetch on arrival",
+    "dram": "kvprefetch with every reusable chunk already in DRAM (the bound perfect prefetch approaches)",
+    "vllm-example": "vLLM's built-in ExampleConnector on the same disk (what a user gets without us)",
+    "lmcache": "LMCache's vLLM connector (CPU + local disk), CUDA machines where lmcache is installed",
+}
+
+CONNECTOR_MODES = ("ondemand", "ondemand-sync", "prefetch", "dram")
+
+
+def connector_has_setting(name: str) -> bool:
+    try:
+        from kvprefetch.vllm.settings import _CONNECTOR_KEYS
+    except Exception:
+        return False
+    return name in _CONNECTOR_KEYS
+
+
+def availability(mode: str, cuda: bool) -> tuple[bool, str]:
+    if mode not in MODES:
+        return False, f"unknown mode {mode!r}"
+    if mode == "ondemand-sync" and not connector_has_setting("load_mode"):
+        return False, "the connector has no load_mode setting yet (synchronous loads)"
+    if mode == "lmcache":
+        if not cuda:
+            return False, "LMCache's connector needs CUDA"
+        if importlib.util.find_spec("lmcache") is None:
+            return False, "lmcache is not installed"
+    return True, ""
+
+
+@dataclass
+class StoreSizing:
+    chunk_tokens: int
+    dram_bytes: int
+    disk_bytes: int
+    io_threads: int = 4
+    read_rate_limit_bps: int | None = None  # the fallback throttle (no kernel throttle available)
+    prefill_tps_prior: float | None = None
+    disk_bps_prior: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def kvprefetch_extra(sizing: StoreSizing, disk_dir: Path, pool: str, *, prefetch: bool, sync: bool = False) -> dict:
+    extra: dict[str, Any] = {
+        "chunk_tokens": sizing.chunk_tokens,
+        "prefetch": prefetch,
+        "dram": {"capacity_bytes": int(sizing.dram_bytes), "pool_name": pool},
+        "disk": {"path": str(disk_dir), "capacity_bytes": int(sizing.disk_bytes)},
+        "io": {"threads": sizing.io_threads},
+        "log_interval_s": 0,
+    }
+    if sizing.read_rate_limit_bps:
+        extra["io"]["read_rate_limit_bps"] = int(sizing.read_rate_limit_bps)
+    if sizing.prefill_tps_prior:
+        extra["prefill_tps_prior"] = float(sizing.prefill_tps_prior)
+    if sizing.disk_bps_prior:
+        extra["disk_bps_prior"] = float(sizing.disk_bps_prior)
+    if sync:
+        extra["load_mode"] = "sync"
+    extra.update(sizing.extra)
+    return extra
+
+
+def kv_transfer_config(mode: str, sizing: StoreSizing, disk_dir: Path, pool: str) -> dict | None:
+    """vLLM's kv_transfer_config for a mode (None: no connector)."""
+    if mode == "recompute":
+        return None
+    if mode in CONNECTOR_MODES:
+        extra = kvprefetch_extra(
+            sizing, disk_dir, pool, prefetch=mode in ("prefetch", "dram"), sync=mode == "ondemand-sync"
+        )
+        return {
+            "kv_connector": "KVPrefetchConnector",
+            "kv_connector_module_path": "kvprefetch.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
+    if mode == "vllm-example":
+        return {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(disk_dir)},
+        }
+    if mode == "lmcache":
+        return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    raise ValueError(mode)
+
+
+def lmcache_env(sizing: StoreSizing, disk_dir: Path) -> dict[str, str]:
+    """LMCache's config file (CPU staging as large as our DRAM tier, then local disk)."""
+    cfg = disk_dir.parent / f"{disk_dir.name}-lmcache.yaml"
+    cfg.write_text(
+        f"chunk_size: {sizing.chunk_tokens}\n"
+        "local_cpu: true\n"
+        f"max_local_cpu_size: {max(sizing.dram_bytes / 2**30, 0.1):.3f}\n"
+        f'local_disk: "file://{disk_dir}/"\n'
+        f"max_local_disk_size: {max(sizing.disk_bytes / 2**30, 1):.1f}\n"
+    )
+    return {"LMCACHE_CONFIG_FILE": str(cfg), "LMCACHE_USE_EXPERIMENTAL": "True"}

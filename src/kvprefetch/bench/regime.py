@@ -1,0 +1,133 @@
+"""The storage regime: R = (time to recompute a chunk) / (time to load it from the slowest tier).
+
+A GPU recomputes roughly a hundred times faster, relative to its storage, than this CPU does; left alone, the
+CPU run would put storage in a regime no deployment has. `--regime R` caps the disk tier's read bandwidth at
+
+    bps = R * bytes_per_token * prefill_tokens_per_s
+
+(one chunk then loads R times faster than it recomputes), enforced by the kernel where it can be: a cgroup
+(v1 ``blkio.throttle.read_bps_device`` or v2 ``io.max``) on the cache directory's block device, holding the
+engine processes (O_DIRECT reads are throttled there). Else the I/O engine's own rate limit
+(``io.read_rate_limit_bps``) does it. The regime actually obtained is measured afterwards and reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+V1_BLKIO = Path("/sys/fs/cgroup/blkio")
+V2_ROOT = Path("/sys/fs/cgroup")
+
+DEFAULT_REGIME = 10.0
+"""Matches the whitepaper: its recompute baseline was 8.6-20x slower than its storage path."""
+
+
+def parse_regime(text: str) -> float | None:
+    """'native' -> None (no throttle); '10' or '10x' -> 10.0."""
+    t = text.strip().lower()
+    if t == "native":
+        return None
+    try:
+        r = float(t.removesuffix("x"))
+    except ValueError:
+        raise ValueError(f"regime must be a positive number or 'native', got {text!r}") from None
+    if not r > 0:
+        raise ValueError(f"regime must be positive, got {text!r}")
+    return r
+
+
+def target_bps(regime: float, bytes_per_token: float, prefill_tokens_per_s: float) -> int:
+    return max(1, round(regime * bytes_per_token * prefill_tokens_per_s))
+
+
+def measured_regime(prefill_tokens_per_s: float, chunk_tokens: int, chunk_bytes: int, read_bps: float) -> float:
+    recompute_s = chunk_tokens / prefill_tokens_per_s
+    load_s = chunk_bytes / read_bps
+    return recompute_s / load_s
+
+
+def block_device_of(path: str | os.PathLike) -> str | None:
+    """'major:minor' of the whole disk holding path (a partition's parent), or None (tmpfs, overlay, ...)."""
+    st = os.stat(path)
+    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
+    if major == 0:
+        return None
+    sys_dev = Path(f"/sys/dev/block/{major}:{minor}")
+    if not sys_dev.exists():
+        return None
+    if (sys_dev / "partition").exists():
+        parent = sys_dev.resolve().parent / "dev"
+        with contextlib.suppress(OSError):
+            return parent.read_text().strip()
+    return f"{major}:{minor}"
+
+
+@dataclass
+class Throttle:
+    """A cgroup whose members' reads from one block device are capped; `path` is what members join."""
+
+    kind: str  # "cgroup-v1-blkio" | "cgroup-v2-io"
+    path: Path
+    device: str
+
+    def set(self, bps: int | None) -> None:
+        if self.kind == "cgroup-v1-blkio":
+            f = self.path / "blkio.throttle.read_bps_device"
+            f.write_text(f"{self.device} {int(bps) if bps else 0}")
+        else:
+            (self.path / "io.max").write_text(f"{self.device} rbps={int(bps) if bps else 'max'}")
+
+    def remove(self) -> None:
+        with contextlib.suppress(OSError):
+            self.set(None)
+        # Members have exited by now; move any straggler back to the root before removing the group.
+        with contextlib.suppress(OSError):
+            for pid in (self.path / "cgroup.procs").read_text().split():
+                (self.path.parent / "cgroup.procs").write_text(pid)
+        # A helper process of the engine may leave the group a moment after the engine itself: retry a while.
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.25)
+
+
+def make_throttle(cache_dir: str | os.PathLike, name: str) -> tuple[Throttle | None, str]:
+    """A kernel read throttle for cache_dir's device, or (None, why not)."""
+    device = block_device_of(cache_dir)
+    if device is None:
+        return None, f"{cache_dir} is not on a block device"
+    if V1_BLKIO.is_dir() and (V1_BLKIO / "blkio.throttle.read_bps_device").exists():
+        path = V1_BLKIO / name
+        try:
+            path.mkdir(exist_ok=True)
+            t = Throttle("cgroup-v1-blkio", path, device)
+            t.set(None)
+            return t, ""
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+            return None, f"cgroup v1 blkio not writable ({err.strerror})"
+    controllers = V2_ROOT / "cgroup.subtree_control"
+    if controllers.exists() and "io" in controllers.read_text().split():
+        path = V2_ROOT / name
+        try:
+            path.mkdir(exist_ok=True)
+            t = Throttle("cgroup-v2-io", path, device)
+            t.set(None)
+            return t, ""
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+            return None, f"cgroup v2 io.max not writable ({err.strerror})"
+    return None, "no cgroup blkio/io controller available"

@@ -1,0 +1,290 @@
+"""results.json, report.md, plots and the terminal table of a `kvprefetch bench` run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvprefetch.bench.stats import ratio
+
+WHITEPAPER = {
+    "ttft_vs_no_prefetch": "-26% to -32% TTFT p50 (R2, concurrency 8-32)",
+    "throughput_vs_no_prefetch": "+29% to +40% throughput",
+    "vs_recompute": "8.6x to 20x faster than recomputing",
+}
+
+TABLE_COLUMNS: list[tuple[str, str, str]] = [
+    # (key, header, format)
+    ("mode", "mode", "s"),
+    ("concurrency", "conc", "d"),
+    ("completed", "reqs", "d"),
+    ("ttft_p50_s", "TTFT p50 s", ".3f"),
+    ("ttft_p90_s", "p90 s", ".3f"),
+    ("ttft_p99_s", "p99 s", ".3f"),
+    ("itl_p50_s", "ITL p50 ms", "ms"),
+    ("output_tok_s", "out tok/s", ".1f"),
+    ("requests_per_s", "req/s", ".2f"),
+    ("hit_ratio", "hit", "%"),
+    ("share_engine", "engine", "%"),
+    ("share_dram", "dram", "%"),
+    ("share_disk", "disk", "%"),
+    ("bytes_disk_read", "disk MiB", "mib"),
+    ("prefetch_in_time", "pf ok", "d"),
+    ("prefetch_late", "late", "d"),
+    ("prefetch_wasted_chunks", "wasted", "d"),
+    ("errors", "err", "d"),
+    ("foreign_cpu_cores", "other CPU", ".2f"),
+]
+
+
+def fmt(value: Any, kind: str) -> str:
+    if value is None:
+        return "-"
+    try:
+        if kind == "s":
+            return str(value)
+        if kind == "d":
+            return str(int(value))
+        if kind == "%":
+            return f"{100 * float(value):.0f}%"
+        if kind == "ms":
+            return f"{1000 * float(value):.1f}"
+        if kind == "mib":
+            return f"{float(value) / 2**20:.0f}"
+        return format(float(value), kind)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def row_cells(row: dict) -> list[str]:
+    if row.get("status") not in (None, "ok"):
+        cells = [str(row.get("mode")), str(row.get("concurrency")), str(row.get("status"))]
+        return cells + ["-"] * (len(TABLE_COLUMNS) - 3)
+    return [fmt(row.get(k), f) for k, _, f in TABLE_COLUMNS]
+
+
+def rich_table(rows: list[dict], title: str = "kvprefetch bench"):
+    from rich.table import Table
+
+    table = Table(title=title)
+    for i, (_, header, _) in enumerate(TABLE_COLUMNS):
+        table.add_column(header, justify="left" if i == 0 else "right", no_wrap=i == 0)
+    for row in rows:
+        table.add_row(*row_cells(row))
+    return table
+
+
+def _ok(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r.get("status") == "ok"]
+
+
+def _find(rows: list[dict], mode: str, c: int) -> dict | None:
+    for r in rows:
+        if r.get("mode") == mode and r.get("concurrency") == c and r.get("status") == "ok":
+            return r
+    return None
+
+
+def comparisons(rows: list[dict]) -> list[dict]:
+    """Per concurrency: prefetch against each baseline (TTFT p50 change, throughput change, speed-up)."""
+    out = []
+    levels = sorted({r["concurrency"] for r in _ok(rows)})
+    for c in levels:
+        p = _find(rows, "prefetch", c)
+        if p is None:
+            continue
+        for base in ("ondemand-sync", "ondemand", "dram", "recompute", "vllm-example", "lmcache"):
+            b = _find(rows, base, c)
+            if b is None:
+                continue
+            ttft = ratio(p["ttft_p50_s"], b["ttft_p50_s"])
+            thr = ratio(p["output_tok_s"], b["output_tok_s"])
+            out.append({
+                "concurrency": c,
+                "baseline": base,
+                "ttft_p50_change": None if ttft is None else ttft - 1.0,
+                "throughput_change": None if thr is None else thr - 1.0,
+                "ttft_speedup": None if ttft in (None, 0) else 1.0 / ttft,
+            })  # fmt: skip
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.0f}%"
+
+
+def markdown_report(results: dict) -> str:
+    rows = results.get("rows", [])
+    reg = results.get("regime", {})
+    w = results.get("workload", {})
+    cfg = results.get("config", {})
+    m = results.get("machine", {})
+    lines = ["# kvprefetch bench", ""]
+    lines.append(
+        f"Started {results.get('started')}, took {results.get('duration_s', 0):.0f} s. "
+        f"Machine: {m.get('cpu', '?')} x{m.get('cpus')}, {m.get('gpu', 'no GPU')}; "
+        f"load average at start {_load(m.get('loadavg_start'))}, at end {_load(m.get('loadavg_end'))}."
+    )
+    lines.append(f"Versions: {', '.join(f'{k} {v}' for k, v in results.get('versions', {}).items())}.")
+    model = results.get("model", {})
+    lines.append(f"Model: `{model.get('path')}` ({model.get('load_format') or 'weights'}, {model.get('dtype')}, "
+                 f"{model.get('bytes_per_token')} KV bytes/token) on {model.get('device')}.")  # fmt: skip
+    lines += ["", "## Setup", ""]
+    lines.append(f"- Workload: **{w.get('name')}**; declared: `{_declared(w)}`.")
+    lines.append(f"- Prelude (populates the disk tier before any mode runs): {w.get('prelude_tokens')} tokens. "
+                 f"Measured prompts: {w.get('measured_prompt_tokens')} tokens, of which "
+                 f"{100 * w.get('reusable_share', 0):.0f}% are whole chunks some earlier request holds.")  # fmt: skip
+    kv, ws = cfg.get("engine_kv_cache_tokens") or 0, w.get("largest_level_prompt_tokens") or 0
+    fits = "too small to hold it, as intended" if kv < ws else "**WARNING: it holds the whole level; raise the load**"
+    lines.append(f"- Engine KV cache: {kv} tokens vs {ws} prompt tokens at the largest level ({fits}); "
+                 f"max_num_seqs {cfg.get('max_num_seqs')}, max_num_batched_tokens "
+                 f"{cfg.get('max_num_batched_tokens')}, chunk {cfg.get('chunk_tokens')} tokens, DRAM tier "
+                 f"{cfg.get('dram_tier_bytes', 0) / 2**20:.0f} MiB (dram mode: everything).")  # fmt: skip
+    lines += ["", "## Storage regime", ""]
+    asked = reg.get("asked")
+    lines.append(f"- Asked: {asked if asked == 'native' else f'R = {asked}'}; enforced by: {reg.get('enforced_by')}.")
+    if reg.get("prefill_tokens_per_s"):
+        lines.append(f"- Prefill {reg['prefill_tokens_per_s']:,.0f} tokens/s -> recompute one chunk "
+                     f"({reg.get('chunk_tokens')} tokens, {reg.get('chunk_bytes', 0) / 2**20:.2f} MiB) in "
+                     f"{1000 * reg['chunk_tokens'] / reg['prefill_tokens_per_s']:.1f} ms.")  # fmt: skip
+    if reg.get("native_read_bps"):
+        lines.append(f"- Native cold disk->DRAM reads: {reg['native_read_bps'] / 1e6:,.0f} MB/s "
+                     f"(R = {reg.get('native_regime') or 0:.1f}).")  # fmt: skip
+    if reg.get("target_read_bps"):
+        lines.append(f"- Throttle target {reg['target_read_bps'] / 1e6:,.1f} MB/s.")
+    if reg.get("read_bps"):
+        lines.append(f"- **Measured regime R = {reg.get('measured') or 0:.1f}** "
+                     f"(reads at {reg['read_bps'] / 1e6:,.1f} MB/s).")  # fmt: skip
+    lines += ["", "## Results", ""]
+    lines += markdown_table(rows)
+    lines += ["", "Shares are of prompt tokens: engine = vLLM's own prefix cache, dram/disk = loaded by the "
+              "connector (disk: chunks read from disk during the cell), the rest is computed. `pf ok` / `late`: "
+              "requests whose prefetch had / had not finished when the scheduler reached them; `wasted`: prefetch "
+              "reads cancelled because their request ended first. `other CPU`: cores other processes kept busy "
+              "during the cell (this machine is shared; timings with a large value are disturbed).", ""]  # fmt: skip
+    comp = comparisons(rows)
+    if comp:
+        lines += ["## prefetch against the baselines, next to the whitepaper", ""]
+        lines.append("| conc | baseline | TTFT p50 | throughput | TTFT speed-up | whitepaper |")
+        lines.append("|---:|---|---:|---:|---:|---|")
+        for x in comp:
+            paper = ""
+            if x["baseline"] in ("ondemand-sync", "ondemand"):
+                paper = f"{WHITEPAPER['ttft_vs_no_prefetch']}; {WHITEPAPER['throughput_vs_no_prefetch']}"
+            elif x["baseline"] == "recompute":
+                paper = WHITEPAPER["vs_recompute"]
+            speed = "-" if x["ttft_speedup"] is None else f"{x['ttft_speedup']:.2f}x"
+            lines.append(f"| {x['concurrency']} | {x['baseline']} | {_pct(x['ttft_p50_change'])} | "
+                         f"{_pct(x['throughput_change'])} | {speed} | {paper} |")  # fmt: skip
+        lines.append("")
+    preds = results.get("simulator_prediction")
+    if preds:
+        lines += ["## Simulator (calibrated from this run) vs measured TTFT p50", ""]
+        lines.append("| mode | conc | predicted s | measured s |")
+        lines.append("|---|---:|---:|---:|")
+        for p in preds:
+            meas = "-" if p.get("measured") is None else f"{p['measured']:.3f}"
+            lines.append(f"| {p['mode']} | {p['concurrency']} | {p['predicted']:.3f} | {meas} |")
+        lines.append("")
+    missing = {r["mode"]: f"{r.get('status')}: {r.get('reason')}" for r in rows if r.get("status") != "ok"}
+    if missing:
+        lines += ["## Modes not run (or failed)", ""] + [f"- `{k}`: {v}" for k, v in missing.items()] + [""]
+    if results.get("notes"):
+        lines += ["## Notes", ""] + [f"- {n.splitlines()[0] if n else n}" for n in results["notes"]] + [""]
+    lines += ["## Plots", "", "![TTFT p50](ttft_p50.png)", "![throughput](throughput.png)",
+              "![TTFT CDF](ttft_cdf.png)", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def _load(x) -> str:
+    return "-" if not x else "/".join(f"{v:.2f}" for v in x)
+
+
+def _declared(w: dict) -> str:
+    keep = {k: v for k, v in w.items() if k not in ("name", "prompt_tokens", "reusable_tokens", "reusable_share",
+                                                    "prelude_tokens", "measured_prompt_tokens",
+                                                    "largest_level_prompt_tokens")}  # fmt: skip
+    return json.dumps(keep, sort_keys=True)
+
+
+def markdown_table(rows: list[dict]) -> list[str]:
+    head = [h for _, h, _ in TABLE_COLUMNS]
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]
+    for r in rows:
+        out.append("| " + " | ".join(c.replace("|", "/") for c in row_cells(r)) + " |")
+    return out
+
+
+def plots(results: dict, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _ok(results.get("rows", []))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    written = []
+    for key, name, ylabel, title in (
+        ("ttft_p50_s", "ttft_p50.png", "TTFT p50 (s)", "Time to first token, median"),
+        ("output_tok_s", "throughput.png", "output tokens/s", "Throughput"),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for m in modes:
+            pts = sorted((r["concurrency"], r[key]) for r in rows if r["mode"] == m and r.get(key) is not None)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{title} ({_regime_label(results)})")
+        if key == "ttft_p50_s" and rows:
+            ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        if modes:
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        written.append(name)
+    # CDF at the highest concurrency every mode ran
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    levels = sorted({r["concurrency"] for r in rows})
+    c = levels[-1] if levels else None
+    for m in modes:
+        r = next((x for x in rows if x["mode"] == m and x["concurrency"] == c), None)
+        xs = sorted(r.get("ttft_samples_s") or []) if r else []
+        if xs:
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=m)
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("share of requests")
+    ax.set_xscale("log")
+    ax.set_title(f"TTFT CDF at concurrency {c} ({_regime_label(results)})")
+    ax.grid(True, alpha=0.3)
+    if modes:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ttft_cdf.png", dpi=120)
+    plt.close(fig)
+    written.append("ttft_cdf.png")
+    return written
+
+
+def _regime_label(results: dict) -> str:
+    reg = results.get("regime", {})
+    if reg.get("measured"):
+        return f"R={reg['measured']:.1f} measured"
+    return f"regime {reg.get('asked')}"
+
+
+def write_outputs(results: dict, out: Path) -> list[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    files = ["results.json"]
+    if results.get("calibration"):
+        # The simulator's input (kvprefetch.sim.calibration.Calibration), measured by this run.
+        (out / "calibration.json").write_text(json.dumps(results["calibration"], indent=2) + "\n")
+        files.append("calibration.json")
+    files += plots(results, out)
+    (out / "report.md").write_text(markdown_report(results))
+    files.append("report.md")
+    return files

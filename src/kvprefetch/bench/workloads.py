@@ -1,0 +1,246 @@
+"""What `kvprefetch bench` replays: a cache-populating prelude and, per concurrency, sessions of turns.
+
+Every mode replays exactly the same token ids. The store is populated once, before any mode runs, with the
+conversation history that a long-running deployment would already hold ("the conversations so far"); the
+measured requests then reuse it, and each adds new tokens of its own that nothing has seen:
+
+* **chat** (default): multi-turn long-context sessions (shared system prompt, a long first message, short
+  follow-ups, think time). Turns ``0 .. T-2`` of every session form the prelude; the measured requests are
+  turns ``1 .. T-1``, so each measured turn reuses the whole previous prompt (on disk) and brings the previous
+  answer and a new user message. Each concurrency level gets its own sessions, so one level never warms the
+  cache for the next.
+* **trace**: a Mooncake-format trace (``hash_ids`` -> identical token blocks), scaled by a declared
+  ``TraceScaling``. The first ``prelude`` requests populate the store; the next requests are cut into
+  consecutive segments, one per concurrency level, replayed in trace order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvprefetch.workload import ChatWorkload, TraceScaling, generate_chat, read_mooncake_trace
+from kvprefetch.workload.mooncake import DEFAULT_TRACE
+
+
+@dataclass
+class Turn:
+    tokens: list[int]
+    max_tokens: int
+    think_s: float = 0.0  # pause after the session's previous turn finished (ignored for its first turn)
+
+
+@dataclass
+class Session:
+    sid: str
+    arrival_s: float
+    turns: list[Turn]
+
+
+@dataclass
+class BenchWorkload:
+    name: str
+    declared: dict  # every knob and scaling that shaped it, reported with the results
+    prelude: list[Session]  # run before any measurement, one answer token each, to populate the store
+    levels: dict[int, list[Session]] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "declared": self.declared,
+            "prelude": [asdict(s) for s in self.prelude],
+            "levels": {str(c): [asdict(s) for s in ss] for c, ss in self.levels.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> BenchWorkload:
+        def sessions(ss: list[dict]) -> list[Session]:
+            return [Session(s["sid"], s["arrival_s"], [Turn(**t) for t in s["turns"]]) for s in ss]
+
+        levels = {int(c): sessions(ss) for c, ss in data["levels"].items()}
+        return cls(data["name"], data["declared"], sessions(data["prelude"]), levels)
+
+    # ---- sizes ------------------------------------------------------------------------------------------
+    def requests(self, concurrency: int) -> int:
+        return sum(len(s.turns) for s in self.levels[concurrency])
+
+    def prompt_tokens(self, concurrency: int | None = None) -> int:
+        levels = [concurrency] if concurrency is not None else list(self.levels)
+        return sum(len(t.tokens) for c in levels for s in self.levels[c] for t in s.turns)
+
+    def prelude_tokens(self) -> int:
+        return sum(len(t.tokens) for s in self.prelude for t in s.turns)
+
+    def _turns(self):
+        for ss in [self.prelude, *self.levels.values()]:
+            for s in ss:
+                yield from s.turns
+
+    def max_prompt_tokens(self) -> int:
+        return max((len(t.tokens) for t in self._turns()), default=1)
+
+    def mean_prompt_tokens(self) -> float:
+        lens = [len(t.tokens) for ss in self.levels.values() for s in ss for t in s.turns]
+        return sum(lens) / len(lens) if lens else 0.0
+
+    def max_len(self) -> int:
+        """Longest prompt plus its answer (the engine's max_model_len must cover it)."""
+        return max((len(t.tokens) + t.max_tokens for t in self._turns()), default=1)
+
+
+@dataclass(frozen=True)
+class ChatBench:
+    """The bench's chat workload: declared sizes, and how many sessions each concurrency level gets."""
+
+    system_tokens: int = 1024
+    history_tokens: int = 2048  # the first (long) message of every conversation
+    user_tokens: int = 256
+    output_tokens: int = 32
+    measured_turns: int = 2
+    think_s: float = 0.5
+    jitter: float = 0.25
+    min_sessions: int = 4
+    sessions_per_concurrency: float = 1.5
+    seed: int = 0
+    reuse: bool = True  # False: no prelude, no system prompt, one turn per session (nothing to hit anywhere)
+
+    def sessions_for(self, concurrency: int) -> int:
+        return max(self.min_sessions, math.ceil(self.sessions_per_concurrency * concurrency))
+
+
+def chat_workload(spec: ChatBench, concurrencies: list[int], vocab_size: int) -> BenchWorkload:
+    counts = [spec.sessions_for(c) for c in concurrencies]
+    turns = spec.measured_turns + 1 if spec.reuse else 1
+    base = ChatWorkload(
+        sessions=sum(counts),
+        turns=turns,
+        system_tokens=spec.system_tokens if spec.reuse else 0,
+        first_user_tokens=spec.history_tokens,
+        user_tokens=spec.user_tokens,
+        output_tokens=spec.output_tokens,
+        think_s=spec.think_s,
+        arrival="concurrency",
+        concurrency=max(concurrencies),
+        jitter=spec.jitter,
+        seed=spec.seed,
+    )
+    by_session: dict[int, list] = {}
+    for r in generate_chat(base):
+        by_session.setdefault(r.session_id, []).append(r)
+    prelude: list[Session] = []
+    levels: dict[int, list[Session]] = {}
+    sid = 0
+    for c, n in zip(concurrencies, counts, strict=True):
+        sessions = []
+        for _ in range(n):
+            reqs = sorted(by_session[sid], key=lambda r: r.turn)
+            if spec.reuse:
+                history = [Turn(r.token_ids(vocab_size).tolist(), 1) for r in reqs[:-1]]
+                prelude.append(Session(f"p{sid}", 0.0, history))
+                reqs = reqs[1:]
+            measured = [Turn(r.token_ids(vocab_size).tolist(), r.output_len, r.think_s) for r in reqs]
+            sessions.append(Session(f"c{c}-s{sid}", 0.0, measured))
+            sid += 1
+        levels[c] = sessions
+    declared = {
+        "kind": "chat",
+        **asdict(spec),
+        "sessions_per_level": {str(c): n for c, n in zip(concurrencies, counts, strict=True)},
+    }
+    return BenchWorkload("chat", declared, prelude, levels)
+
+
+@dataclass(frozen=True)
+class TraceBench:
+    path: str = str(DEFAULT_TRACE)
+    length_scale: float = 1 / 8  # 64-token blocks: two per 128-token chunk, prompts ~1/8 of the trace's
+    time_scale: float = 1.0
+    use_timestamps: bool = False  # False: requests in trace order as fast as the concurrency allows
+    prelude: int = 32
+    min_requests: int = 8
+    requests_per_concurrency: float = 2.0
+    max_output_tokens: int = 64
+    seed: int = 0
+
+    def requests_for(self, concurrency: int) -> int:
+        return max(self.min_requests, math.ceil(self.requests_per_concurrency * concurrency))
+
+
+def find_trace(path: str | Path) -> Path:
+    """The trace file; the default relative path is tried against the cwd and the repository root."""
+    p = Path(path)
+    if p.exists():
+        return p
+    if not p.is_absolute():
+        repo = Path(__file__).resolve().parents[3]  # src/kvprefetch/bench/ -> the repository root
+        if (repo / p).exists():
+            return repo / p
+    raise FileNotFoundError(f"trace not found: {path}")
+
+
+def trace_workload(spec: TraceBench, concurrencies: list[int], vocab_size: int) -> BenchWorkload:
+    counts = [spec.requests_for(c) for c in concurrencies]
+    total = spec.prelude + sum(counts)
+    path = find_trace(spec.path)
+    scaling = TraceScaling(spec.length_scale, spec.time_scale, total)
+    reqs = read_mooncake_trace(path, scaling, seed=spec.seed)
+    if len(reqs) < total:
+        raise ValueError(f"{path} has {len(reqs)} requests; the bench needs {total} (prelude + levels)")
+    prelude = [
+        Session(f"p{k}", 0.0, [Turn(r.token_ids(vocab_size).tolist(), 1)]) for k, r in enumerate(reqs[: spec.prelude])
+    ]
+    levels: dict[int, list[Session]] = {}
+    i = spec.prelude
+    for c, n in zip(concurrencies, counts, strict=True):
+        seg = reqs[i : i + n]
+        t0 = seg[0].arrival_s
+        levels[c] = [
+            Session(
+                f"c{c}-r{i + k}",
+                (r.arrival_s - t0) if spec.use_timestamps else 0.0,
+                [Turn(r.token_ids(vocab_size).tolist(), min(r.output_len, spec.max_output_tokens))],
+            )
+            for k, r in enumerate(seg)
+        ]
+        i += n
+    declared = {
+        "kind": "trace",
+        **asdict(spec),
+        "path": str(path),
+        "block_tokens": scaling.block_tokens,
+        "requests_per_level": {str(c): n for c, n in zip(concurrencies, counts, strict=True)},
+    }
+    return BenchWorkload(f"trace:{path.name}", declared, prelude, levels)
+
+
+def reuse_summary(w: BenchWorkload, chunk_tokens: int) -> dict:
+    """Share of measured prompt tokens that the prelude (or an earlier request) holds as whole chunks."""
+    seen: set[bytes] = set()
+
+    def chunk_ids(tokens: list[int]) -> list[bytes]:
+        arr = np.asarray(tokens, dtype=np.int64)
+        out, h = [], b""
+        for k in range(len(arr) // chunk_tokens):
+            h = hashlib.blake2b(h + arr[k * chunk_tokens : (k + 1) * chunk_tokens].tobytes(), digest_size=16).digest()
+            out.append(h)
+        return out
+
+    for s in w.prelude:
+        for t in s.turns:
+            seen.update(chunk_ids(t.tokens))
+    reusable = total = 0
+    for c in w.levels:
+        for s in w.levels[c]:
+            for t in s.turns:
+                ids = chunk_ids(t.tokens)
+                n = 0
+                while n < len(ids) and ids[n] in seen:
+                    n += 1
+                reusable += n * chunk_tokens
+                total += len(t.tokens)
+                seen.update(ids)
+    return {"prompt_tokens": total, "reusable_tokens": reusable, "reusable_share": reusable / total if total else 0.0}

