@@ -47,7 +47,8 @@ def register(app: typer.Typer) -> None:
                 "--mode",
                 "-m",
                 help="Modes to run (repeat or comma list); "
-                "default: all (recompute, ondemand, ondemand-sync, prefetch, dram, vllm-example, lmcache).",
+                "default: all (recompute, ondemand, ondemand-sync, prefetch, dram, vllm-example, lmcache); "
+                "opt-in: prefetch-remote, shared-2x, private-2x.",
             ),
         ] = None,
         concurrency: Annotated[
@@ -118,10 +119,22 @@ def register(app: typer.Typer) -> None:
         cache_dir: Annotated[Path | None, typer.Option(help="Where the disk tiers go (default: the temp dir).")] = None,
         keep_cache: Annotated[bool, typer.Option(help="Keep the disk tiers and engine logs.")] = False,
         cell_timeout: Annotated[float, typer.Option(help="Seconds one mode x concurrency may take.")] = 1800,
+        scenario: Annotated[
+            str,
+            typer.Option(
+                help="'single' (default: one engine per mode) or 'two-instance': two engines at once, turns "
+                "alternating between them, with one shared node-local cache (shared-2x) and with a cache each "
+                "(private-2x); runs only those two unless -m adds modes; there the prelude holds only each "
+                "conversation's first message and --turns defaults to 4."
+            ),
+        ] = "single",
+        remote_backend: Annotated[
+            str, typer.Option(help="Server of the prefetch-remote mode (-m prefetch-remote): redis or mooncake.")
+        ] = "redis",
     ) -> None:
         """The main benchmark: TTFT and throughput of tiered prefetch vs recompute, on-demand loads, all-in-DRAM and
         vLLM's own connector, on real vLLM engines, over a concurrency sweep, in a declared storage regime."""
-        from kvprefetch.bench.modes import MODES
+        from kvprefetch.bench.modes import MODES, TWO_INSTANCE_MODES
         from kvprefetch.bench.regime import parse_regime
         from kvprefetch.bench.runner import QUICK_CONCURRENCY, BenchOptions
         from kvprefetch.bench.workloads import TraceBench
@@ -131,13 +144,21 @@ def register(app: typer.Typer) -> None:
         for m in modes:
             if m not in MODES:
                 raise typer.BadParameter(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+        if scenario not in ("single", "two-instance"):
+            raise typer.BadParameter(f"--scenario is 'single' or 'two-instance', got {scenario!r}")
+        if remote_backend not in ("redis", "mooncake"):
+            raise typer.BadParameter(f"--remote-backend is 'redis' or 'mooncake', got {remote_backend!r}")
+        if scenario == "two-instance":
+            modes = [m for m in modes if m not in TWO_INSTANCE_MODES] + list(TWO_INSTANCE_MODES)
+            if turns is None:
+                turns = 4
         try:
             r = parse_regime(regime)
         except ValueError as err:
             raise typer.BadParameter(str(err)) from None
         opts = BenchOptions(regime=r, model=model, engine_args=parse_engine_args(engine_arg or []), quick=quick,
                             chunk_tokens=chunk_tokens, cache_dir=cache_dir, keep_cache=keep_cache,
-                            cell_timeout_s=cell_timeout)  # fmt: skip
+                            cell_timeout_s=cell_timeout, remote_backend=remote_backend)  # fmt: skip
         if modes:
             opts.modes = modes
         if quick:
@@ -150,6 +171,10 @@ def register(app: typer.Typer) -> None:
                    sessions_per_concurrency=sessions_per_concurrency).items() if v is not None}  # fmt: skip
         if no_reuse:
             chat_kw["reuse"] = False
+        if scenario == "two-instance":
+            # the prelude holds each conversation's first message only: every later turn's prefix was computed
+            # by the turn before it, on the other engine (a hit only where the cache is shared)
+            chat_kw["prelude_turns"] = 1
         opts.chat = replace(opts.chat, **chat_kw)
         opts.chunk_tokens = chunk_tokens or (128 if trace is not None else 256)
         if trace is not None:

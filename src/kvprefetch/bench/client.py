@@ -76,6 +76,28 @@ class EngineProcess:
             raise EngineError(f"engine is gone; log tail:\n{self.tail()}") from None
         return self._wait(timeout)
 
+    def send(self, op: str, **kw) -> None:
+        """Write a command without waiting for an answer (the serve protocol streams them)."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise EngineError(f"engine is gone; log tail:\n{self.tail()}") from None
+
+    def poll(self, timeout: float = 0.0) -> dict | None:
+        """The next message if one comes within timeout (None if not); EngineError if the engine is gone."""
+        try:
+            msg = self._q.get(timeout=timeout) if timeout > 0 else self._q.get_nowait()
+        except queue.Empty:
+            return None
+        if msg is None:
+            self._q.put(None)
+            raise EngineError(f"engine exited (code {self.proc.wait()}); log tail:\n{self.tail()}")
+        if "error" in msg:
+            raise EngineError(msg["error"] + ("\n" + msg["trace"] if msg.get("trace") else ""))
+        return msg
+
     def close(self) -> None:
         if self.proc.poll() is None:
             with contextlib.suppress(Exception):

@@ -16,8 +16,10 @@ import heapq
 import itertools
 import json
 import os
+import queue
 import random
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -370,6 +372,122 @@ def disk_read_bandwidth(max_chunks: int, seconds: float, rate_limit_bps: int | N
     return {"chunks": done, "bytes": nbytes, "seconds": elapsed, "bps": nbytes / elapsed if elapsed > 0 else None}
 
 
+def serve(engine, driver: Driver, sessions: list[dict], t0: float, tag: str, inbox: queue.Queue) -> dict:
+    """Requests pushed by a coordinator in the parent (the two-instance scenario): ``add`` (session i, turn k,
+    arrival in seconds since t0 on the shared monotonic clock) until ``end``; each finished request is sent
+    back as an event at once, so the coordinator can route the session's next turn to another engine."""
+    from vllm import SamplingParams
+
+    def now() -> float:
+        return time.monotonic() - t0
+
+    before, cpu = counters_snapshot(), CpuMeter()
+    recs: dict[str, dict] = {}
+    live: set[str] = set()
+    ending = False
+
+    def done(rid: str) -> None:
+        live.discard(rid)
+        rec = recs[rid]
+        tt = rec.pop("token_times")
+        rec["finish"] = now()
+        rec["first_token"] = tt[0] if tt else None
+        rec["output_tokens"] = len(tt)
+        rec["itl"] = [b - a for a, b in itertools.pairwise(tt)]
+        _reply({"event": "done", "rec": rec})
+
+    def handle(cmd: dict) -> None:
+        nonlocal ending
+        if cmd.get("op") == "end":
+            ending = True
+            return
+        i, k = int(cmd["i"]), int(cmd["k"])
+        turn = sessions[i]["turns"][k]
+        rid = f"{tag}-{sessions[i]['sid']}-t{k}"
+        recs[rid] = {"sid": sessions[i]["sid"], "turn": k, "session": i, "prompt_tokens": len(turn["tokens"]),
+                     "arrival": float(cmd["arrival"]), "submitted": now(), "token_times": [],
+                     "error": None}  # fmt: skip
+        sp = SamplingParams(max_tokens=int(turn["max_tokens"]), temperature=0.0, ignore_eos=True)
+        try:
+            engine.add_request(rid, {"prompt_token_ids": turn["tokens"]}, sp)
+            live.add(rid)
+        except Exception as err:
+            recs[rid]["error"] = f"{type(err).__name__}: {err}"
+            done(rid)
+
+    while True:
+        try:
+            while True:
+                handle(inbox.get_nowait())
+        except queue.Empty:
+            pass
+        if ending:
+            break
+        if not live:
+            with contextlib.suppress(queue.Empty):
+                handle(inbox.get(timeout=0.02))
+            continue
+        outs = engine.step()
+        t = now()
+        for o in outs:
+            rec = recs.get(o.request_id)
+            if rec is None or o.request_id not in live:
+                continue
+            c = o.outputs[0] if o.outputs else None
+            n = len(c.token_ids) if c is not None else 0
+            rec["token_times"] += [t] * (n - len(rec["token_times"]))
+            if o.finished:
+                reason = getattr(c, "finish_reason", None) if c is not None else None
+                if reason not in ("length", "stop") or not rec["token_times"]:
+                    rec["error"] = f"finish_reason={reason}"
+                rec["cached_tokens"] = int(o.num_cached_tokens or 0)
+                rec["cached_local"], rec["cached_external"] = driver._prefill.pop(o.request_id, (None, None))
+                done(o.request_id)
+    aborted = sorted(live)
+    if aborted:  # the coordinator gave up (cell timeout)
+        with contextlib.suppress(Exception):
+            engine.abort_request(aborted)
+        for rid in aborted:
+            recs[rid]["error"] = "timeout"
+            done(rid)
+    return {"served": True, "foreign_cpu_cores": cpu.foreign_cores(), "before": before, "after": counters_snapshot()}
+
+
+def _read_until_end(inbox: queue.Queue) -> None:
+    """Feed stdin's lines to a serve loop, up to and including its ``end`` (then stdin is main()'s again)."""
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        inbox.put(cmd)
+        if cmd.get("op") == "end":
+            return
+    inbox.put({"op": "end"})
+
+
+def seed_remote(src: str) -> dict:
+    """Copy every chunk of a disk tier directory into this engine's remote tier (the remote mode's start),
+    through a DRAM slot that is given back unpublished: the chunks land in the remote tier only."""
+    from kvprefetch.tiers.disk import DiskTier
+
+    c = _scheduler_connector()
+    store = getattr(c, "store", None)
+    if store is None or store.remote is None:
+        raise RuntimeError("seed_remote needs the kvprefetch connector with a remote tier")
+    disk = DiskTier(src, 1 << 50, direct_io=False, fsync=False)
+    keys = _disk_keys(Path(src))
+    t, written = time.perf_counter(), 0
+    for key in keys:
+        slot = store.dram.allocate(key, store.chunk_bytes)
+        if slot is None:
+            continue
+        try:
+            disk.read_into(key, store.dram.image(slot))
+            store.remote.write(key, store.dram.image(slot)[: store.image_bytes])
+            written += 1
+        finally:
+            store.dram.abort(slot)
+    return {"chunks": len(keys), "written": written, "seconds": time.perf_counter() - t}
+
+
 def flush_stores() -> bool:
     return all(c.store.flush(timeout=300) for c in _live_connectors() if getattr(c, "store", None) is not None)
 
@@ -409,6 +527,20 @@ def main() -> None:
                     res["flushed"] = flush_stores()
                 res["before"], res["after"] = before, counters_snapshot()
                 _reply(res)
+            elif op == "serve":
+                path = cmd["file"]
+                if path not in workloads:
+                    workloads[path] = json.loads(Path(path).read_text())
+                inbox: queue.Queue = queue.Queue()
+                reader = threading.Thread(target=_read_until_end, args=(inbox,), daemon=True)
+                _reply({"serving": True})
+                reader.start()
+                res = serve(engine, driver, workloads[path]["levels"][str(cmd["level"])], float(cmd["t0"]),
+                            str(cmd.get("tag", cmd["level"])), inbox)  # fmt: skip
+                reader.join()
+                _reply(res)
+            elif op == "seed_remote":
+                _reply(seed_remote(cmd["src"]))
             elif op == "warmup":
                 sessions = [{"sid": f"w{k}", "arrival_s": 0.0, "turns": [{"tokens": random_prompt(
                     cmd["tokens"], cmd["vocab"], 500 + k), "max_tokens": 4}]} for k in range(cmd["n"])]  # fmt: skip

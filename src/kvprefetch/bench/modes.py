@@ -15,7 +15,17 @@ MODES: dict[str, str] = {
     "dram": "kvprefetch with every reusable chunk already in DRAM (the bound perfect prefetch approaches)",
     "vllm-example": "vLLM's built-in ExampleConnector on the same disk (what a user gets without us)",
     "lmcache": "LMCache's vLLM connector (CPU + local disk), CUDA machines where lmcache is installed",
+    # opt-in (not in the default run)
+    "prefetch-remote": "kvprefetch, prefetch on; the prelude's KV in a remote tier (Redis or Mooncake on "
+    "loopback), the engine's own disk tier empty",
+    "shared-2x": "two engines at once, turns alternating between them, one node-local cache (same DRAM pool, "
+    "same disk tier), prefetch on",
+    "private-2x": "two engines at once, turns alternating between them, a cache each (own DRAM pool and disk "
+    "tier, both starting from the prelude), prefetch on",
 }
+
+TWO_INSTANCE_MODES = ("shared-2x", "private-2x")
+REMOTE_MODES = ("prefetch-remote",)
 
 CONNECTOR_MODES = ("ondemand", "ondemand-sync", "prefetch", "dram")
 
@@ -28,11 +38,46 @@ def connector_has_setting(name: str) -> bool:
     return name in _CONNECTOR_KEYS
 
 
-def availability(mode: str, cuda: bool) -> tuple[bool, str]:
+def remote_available(backend: str) -> bool:
+    import shutil
+    import sys
+
+    if backend == "redis":
+        return shutil.which("redis-server") is not None and importlib.util.find_spec("redis") is not None
+    return Path(sys.executable).with_name("mooncake_master").exists()
+
+
+def route_turn(turn: int, engines: int = 2) -> int:
+    """Which engine serves a session's turn in the two-instance scenario: they alternate, turn k on k % n."""
+    return turn % engines
+
+
+def two_instance_caches(mode: str, work: Path, pool_prefix: str, engines: int = 2) -> list[tuple[Path, str]]:
+    """(disk directory, DRAM pool name) per engine: one of each for all (shared-2x), or one each (private-2x)."""
+    if mode == "shared-2x":
+        return [(work / "disk-shared-2x", f"{pool_prefix}-shared-2x")] * engines
+    if mode == "private-2x":
+        return [(work / f"disk-private-2x-{e}", f"{pool_prefix}-private-2x-{e}") for e in range(engines)]
+    raise ValueError(mode)
+
+
+def remote_section(backend: str, server: Any, segment_bytes: int | None = None) -> dict:
+    """The store's `remote` section for a server from `kvprefetch.bench.local_servers`."""
+    if backend == "redis":
+        return {"backend": "redis", "redis": {"url": server.url}}
+    mc: dict[str, Any] = {"master": server.master, "metadata_server": server.metadata_server}
+    if segment_bytes:
+        mc["segment_bytes"] = int(segment_bytes)
+    return {"backend": "mooncake", "mooncake": mc}
+
+
+def availability(mode: str, cuda: bool, remote_backend: str = "redis") -> tuple[bool, str]:
     if mode not in MODES:
         return False, f"unknown mode {mode!r}"
     if mode == "ondemand-sync" and not connector_has_setting("load_mode"):
         return False, "the connector has no load_mode setting yet (synchronous loads)"
+    if mode in REMOTE_MODES and not remote_available(remote_backend):
+        return False, f"the {remote_backend} server is not installed"
     if mode == "lmcache":
         if not cuda:
             return False, "LMCache's connector needs CUDA"
@@ -74,10 +119,23 @@ def kvprefetch_extra(sizing: StoreSizing, disk_dir: Path, pool: str, *, prefetch
     return extra
 
 
-def kv_transfer_config(mode: str, sizing: StoreSizing, disk_dir: Path, pool: str) -> dict | None:
-    """vLLM's kv_transfer_config for a mode (None: no connector)."""
+def kv_transfer_config(mode: str, sizing: StoreSizing, disk_dir: Path, pool: str,
+                       remote: dict | None = None) -> dict | None:  # fmt: skip
+    """vLLM's kv_transfer_config for a mode (None: no connector); remote: the store's remote section."""
     if mode == "recompute":
         return None
+    if mode in TWO_INSTANCE_MODES or mode in REMOTE_MODES:
+        extra = kvprefetch_extra(sizing, disk_dir, pool, prefetch=True)
+        if mode in REMOTE_MODES:
+            if remote is None:
+                raise ValueError(f"{mode} needs a remote section")
+            extra |= {"tiers": ["dram", "disk", "remote"], "remote": remote}
+        return {
+            "kv_connector": "KVPrefetchConnector",
+            "kv_connector_module_path": "kvprefetch.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
     if mode in CONNECTOR_MODES:
         extra = kvprefetch_extra(
             sizing, disk_dir, pool, prefetch=mode in ("prefetch", "dram"), sync=mode == "ondemand-sync"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import heapq
 import json
 import math
 import os
@@ -32,11 +33,16 @@ from kvprefetch.bench.client import EngineError, EngineProcess
 from kvprefetch.bench.modes import (
     CONNECTOR_MODES,
     MODES,
+    REMOTE_MODES,
+    TWO_INSTANCE_MODES,
     StoreSizing,
     availability,
     kv_transfer_config,
     kvprefetch_extra,
     lmcache_env,
+    remote_section,
+    route_turn,
+    two_instance_caches,
 )
 from kvprefetch.bench.regime import DEFAULT_REGIME, make_throttle, measured_regime, target_bps
 from kvprefetch.bench.stats import cell_metrics
@@ -74,6 +80,7 @@ class BenchOptions:
     cell_timeout_s: float = 1800
     keep_cache: bool = False
     quick: bool = False
+    remote_backend: str = "redis"  # the prefetch-remote mode's server: redis or mooncake
 
 
 # ---- model --------------------------------------------------------------------------------------------------
@@ -281,12 +288,13 @@ class Bench:
         reuse = reuse_summary(w, chunk)
 
         modes = [m for m in o.modes if m in MODES]
-        avail = {m: availability(m, self.cuda) for m in modes}
+        avail = {m: availability(m, self.cuda, o.remote_backend) for m in modes}
         running = [m for m in modes if avail[m][0]]
         est_tps = 3000.0
         self.p.plan(25 + 15 + w.prelude_tokens() / est_tps + 20)
         for m in running:
-            self.p.plan(25 + sum(self._cell_estimate(m, c, est_tps) for c in o.concurrency))
+            self.p.plan(25 * (2 if m in TWO_INSTANCE_MODES else 1)
+                        + sum(self._cell_estimate(m, c, est_tps) for c in o.concurrency))  # fmt: skip
 
         throttle, why = (None, "regime native") if o.regime is None else make_throttle(self.work, f"kvb-{self.run_id}")
         regime: dict[str, Any] = {"asked": o.regime if o.regime is not None else "native"}
@@ -370,7 +378,10 @@ class Bench:
                     for c in o.concurrency:
                         self._add_row({"mode": m, "concurrency": c, "status": "unavailable", "reason": reason})
                     continue
-                self._run_mode(m, populated, throttle, tps)
+                if m in TWO_INSTANCE_MODES:
+                    self._run_two_instance(m, populated, throttle, tps)
+                else:
+                    self._run_mode(m, populated, throttle, tps)
         finally:
             if throttle is not None:
                 throttle.remove()
@@ -446,13 +457,18 @@ class Bench:
         else:
             disk.mkdir(parents=True, exist_ok=True)
         env = lmcache_env(sizing, disk) if mode == "lmcache" else None
-        spec = self._spec(kv_transfer_config(mode, sizing, disk, pool), cgroup=str(throttle.path) if throttle else None,
-                          env=env)  # fmt: skip
+        server, remote = None, None
         eng = None
         try:
             try:
+                if mode in REMOTE_MODES:
+                    server, remote = self._remote_server(mode)
+                spec = self._spec(kv_transfer_config(mode, sizing, disk, pool, remote=remote),
+                                  cgroup=str(throttle.path) if throttle else None, env=env)  # fmt: skip
                 eng = self._start(mode, spec)
-            except EngineError as err:
+                if mode in REMOTE_MODES:
+                    self._seed_remote(mode, eng, populated)
+            except (EngineError, RuntimeError, OSError, TimeoutError) as err:
                 self.notes.append(f"{mode}: engine failed to start: {str(err)[:2000]}")
                 for c in o.concurrency:
                     self._add_row({"mode": mode, "concurrency": c, "status": "failed", "reason": "engine start failed"})
@@ -485,8 +501,187 @@ class Bench:
         finally:
             if eng is not None:
                 eng.close()
+            if server is not None:
+                server.kill()
             _remove_pool(pool)
             shutil.rmtree(disk, ignore_errors=True)
+
+    # -- the remote mode ------------------------------------------------------------------------------------------
+    def _remote_server(self, mode: str):
+        from kvprefetch.bench.local_servers import MooncakeMaster, RedisServer
+
+        backend = self.o.remote_backend
+        d = self.work / f"server-{mode}"
+        d.mkdir(parents=True, exist_ok=True)
+        self.p.update(f"{mode}: starting {backend} on loopback")
+        if backend == "redis":
+            server = RedisServer(d)
+            return server, remote_section("redis", server)
+        server = MooncakeMaster(d)
+        chunks = self._count_chunks(self.work / "populated") + 64 * (1 + sum(map(self.workload.requests,
+                                                                                 self.workload.levels)))  # fmt: skip
+        segment = max(256 << 20, int(chunks * (self.chunk_bytes + 8192) * 1.5))
+        return server, remote_section("mooncake", server, segment_bytes=segment)
+
+    def _seed_remote(self, mode: str, eng: EngineProcess, populated: Path) -> None:
+        src = self.work / f"seed-{mode}"
+        _clone_tree(populated, src)
+        try:
+            self.p.update(f"{mode}: copying the prelude's chunks into {self.o.remote_backend}")
+            res = eng.call("seed_remote", src=str(src), timeout=1800)
+        finally:
+            shutil.rmtree(src, ignore_errors=True)
+        self.notes.append(f"{mode}: {res['written']} of {res['chunks']} prelude chunks put in {self.o.remote_backend} "
+                          f"({res['seconds']:.1f}s; the rest were in its DRAM already, from the warm-up); its disk "
+                          "tier started empty; remote reads are not under the regime's disk throttle")  # fmt: skip
+
+    # -- the two-instance scenario --------------------------------------------------------------------------------
+    def _run_two_instance(self, mode: str, populated: Path, throttle, tps: float) -> None:
+        o = self.o
+        caches = two_instance_caches(mode, self.work, f"kvb-{self.run_id}")
+        engines: list[EngineProcess] = []
+        try:
+            try:
+                for d in dict.fromkeys(d for d, _ in caches):
+                    _clone_tree(populated, d)
+                # the same DRAM on the node either way: one pool as large as the private pools together
+                shared = len(set(caches)) == 1
+                sizing = StoreSizing(**(asdict(self.sizing) | {"dram_bytes": self.sizing.dram_bytes * len(caches)}))
+                for e, (d, pool) in enumerate(caches):
+                    spec = self._spec(kv_transfer_config(mode, sizing if shared else self.sizing, d, pool),
+                                      cgroup=str(throttle.path) if throttle else None)  # fmt: skip
+                    engines.append(self._start(f"{mode}-{e}", spec))
+            except EngineError as err:
+                self.notes.append(f"{mode}: engine failed to start: {str(err)[:2000]}")
+                for c in o.concurrency:
+                    self._add_row({"mode": mode, "concurrency": c, "status": "failed", "reason": "engine start failed"})
+                return
+            for c in o.concurrency:
+                est = self._cell_estimate(mode, c, tps)
+                self.p.update(f"{mode} @ concurrency {c}: {self.workload.requests(c)} requests on 2 engines")
+                try:
+                    for eng in engines:
+                        eng.call("reset")
+                    plan = [{"arrival_s": s.arrival_s, "turns": [{"think_s": t.think_s} for t in s.turns]}
+                            for s in self.workload.levels[c]]  # fmt: skip
+                    res = drive_alternating(engines, plan, c, o.cell_timeout_s, f"{mode}-c{c}", file=self.wfile,
+                                            level=c)  # fmt: skip
+                    row = {"mode": mode, "concurrency": c, "status": "ok"} | cell_metrics(res, o.chunk_tokens)
+                    row["engines"] = len(engines)
+                    row["requests_per_engine"] = [sum(1 for r in res["records"] if r.get("engine") == e)
+                                                  for e in range(len(engines))]  # fmt: skip
+                    with contextlib.suppress(OSError):
+                        row["loadavg_1m"] = os.getloadavg()[0]
+                except EngineError as err:
+                    self.notes.append(f"{mode} @ {c}: {str(err)[:2000]}")
+                    row = {"mode": mode, "concurrency": c, "status": "failed", "reason": str(err).splitlines()[0]}
+                self._add_row(row)
+                self.p.update(f"{mode} @ concurrency {c} done", est)
+        finally:
+            for eng in engines:
+                eng.close()
+            for d, pool in dict.fromkeys(caches):
+                _remove_pool(pool)
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def merge_snapshots(snaps: list[dict]) -> dict:
+    """Counter snapshots of several engines summed key by key (nested dicts recursively)."""
+    out: dict = {}
+    for snap in snaps:
+        for k, v in snap.items():
+            if isinstance(v, dict):
+                out[k] = merge_snapshots([out.get(k, {}), v])
+            elif isinstance(v, int | float) and not isinstance(v, bool):
+                out[k] = out.get(k, 0) + v
+    return out
+
+
+def drive_alternating(engines: list, sessions: list[dict], concurrency: int, timeout_s: float, tag: str, *,
+                      file: str, level: int, clock: Callable[[], float] = time.monotonic,
+                      idle_s: float = 0.001) -> dict:  # fmt: skip
+    """The two-instance scenario's client: sessions start as the single-engine driver starts them (arrival
+    order, at most `concurrency` at once), and turn k of every session goes to engine `route_turn(k)`, only
+    after turn k-1 finished (on the other engine) plus its think time. Engines run the `serve` protocol of
+    `engine_proc`; times are seconds since t0 on the machine's monotonic clock, shared by all processes.
+    Returns what one engine's `run` returns (records, wall_s, errors, before/after counters summed)."""
+    t0 = clock()
+    for eng in engines:
+        eng.call("serve", file=file, level=level, tag=tag, t0=t0)
+    pending = sorted(range(len(sessions)), key=lambda i: (sessions[i]["arrival_s"], i), reverse=True)
+    due: list[tuple[float, int, int, int]] = []  # (arrival, seq, session, turn)
+    seq = 0
+    active = 0
+    inflight = 0
+    recs: list[dict] = []
+    errors: list[str] = []
+
+    def start_sessions(now: float) -> None:
+        nonlocal active, seq
+        while pending and active < concurrency and sessions[pending[-1]]["arrival_s"] <= now:
+            i = pending.pop()
+            active += 1
+            heapq.heappush(due, (max(sessions[i]["arrival_s"], now), seq, i, 0))
+            seq += 1
+
+    def on_done(rec: dict, now: float) -> None:
+        nonlocal active, seq, inflight
+        inflight -= 1
+        i, k = int(rec.pop("session")), int(rec["turn"])
+        recs.append(rec)
+        turns = sessions[i]["turns"]
+        if rec.get("error") is None and k + 1 < len(turns):
+            heapq.heappush(due, (now + float(turns[k + 1].get("think_s", 0.0)), seq, i, k + 1))
+            seq += 1
+        else:
+            active -= 1
+            start_sessions(now)
+
+    deadline = t0 + timeout_s
+    while pending or due or inflight:
+        now = clock() - t0
+        start_sessions(now)
+        while due and due[0][0] <= now:
+            arrival, _, i, k = heapq.heappop(due)
+            e = route_turn(k, len(engines))
+            engines[e].send("add", i=i, k=k, arrival=arrival)
+            inflight += 1
+        got = False
+        for e, eng in enumerate(engines):
+            while (msg := eng.poll()) is not None:
+                if msg.get("event") == "done":
+                    got = True
+                    on_done(msg["rec"] | {"engine": e}, clock() - t0)
+        if clock() > deadline:
+            errors.append(f"cell timed out after {timeout_s:.0f}s")
+            break
+        if not got:
+            time.sleep(idle_s)
+    wall = clock() - t0
+    finals = []
+    for e, eng in enumerate(engines):
+        eng.send("end")
+        while True:
+            msg = eng.poll(timeout=600)
+            if msg is None:
+                raise EngineError(f"engine {e} did not finish serving")
+            if msg.get("event") == "done":  # aborted by the timeout
+                rec = msg["rec"] | {"engine": e}
+                rec.pop("session", None)
+                recs.append(rec)
+            elif msg.get("served"):
+                finals.append(msg)
+                break
+    foreign = [f["foreign_cpu_cores"] for f in finals if f.get("foreign_cpu_cores") is not None]
+    return {
+        "records": recs,
+        "wall_s": wall,
+        "errors": errors,
+        # each engine counts the other as foreign: the smaller of the two is the closest to "the rest"
+        "foreign_cpu_cores": min(foreign) if foreign else None,
+        "before": merge_snapshots([f.get("before", {}) for f in finals]),
+        "after": merge_snapshots([f.get("after", {}) for f in finals]),
+    }
 
 
 def simulator_prediction(results: dict) -> list[dict]:

@@ -107,6 +107,10 @@ class ChatBench:
     sessions_per_concurrency: float = 1.5
     seed: int = 0
     reuse: bool = True  # False: no prelude, no system prompt, one turn per session (nothing to hit anywhere)
+    # Requests of each conversation run in the prelude: None = all but the last (every measured turn's history
+    # is already stored); 1 = only the first, so each measured turn hits what the turn before it computed
+    # (the two-instance scenario: on the other engine).
+    prelude_turns: int | None = None
 
     def sessions_for(self, concurrency: int) -> int:
         return max(self.min_sessions, math.ceil(self.sessions_per_concurrency * concurrency))
@@ -139,7 +143,8 @@ def chat_workload(spec: ChatBench, concurrencies: list[int], vocab_size: int) ->
         for _ in range(n):
             reqs = sorted(by_session[sid], key=lambda r: r.turn)
             if spec.reuse:
-                history = [Turn(r.token_ids(vocab_size).tolist(), 1) for r in reqs[:-1]]
+                upto = len(reqs) - 1 if spec.prelude_turns is None else min(spec.prelude_turns, len(reqs) - 1)
+                history = [Turn(r.token_ids(vocab_size).tolist(), 1) for r in reqs[:upto]]
                 prelude.append(Session(f"p{sid}", 0.0, history))
                 reqs = reqs[1:]
             measured = [Turn(r.token_ids(vocab_size).tolist(), r.output_len, r.think_s) for r in reqs]
