@@ -57,6 +57,10 @@ def extra_config(disk_dir: Path, pools: list[str], **kw) -> dict:
         "disk": {"path": str(disk_dir), "capacity_bytes": 1 << 30},
         "io": {"read_rate_limit_bps": 200_000_000},
         "log_interval_s": 0,
+        # The tiny test model recomputes a chunk in ~15 ms, only ~2x a 200 MB/s disk read: on a busy machine
+        # the load-or-recompute rule could go either way, and these tests are about what a load produces.
+        # A lenient margin keeps the rule on but the decisions stable (the rule has its own tests).
+        "load_margin": 0.2,
     }
     cfg.update(kw)
     return cfg
@@ -77,6 +81,15 @@ class Engines:
             return base | {"kv_transfer_config": connector_config(extra_config(self.disk_dir, self.pools))}
         if name == "restarted_prefetch_off":
             extra = extra_config(self.disk_dir, self.pools, prefetch=False)
+            return base | {"kv_transfer_config": connector_config(extra)}
+        if name == "sync_slow_disk":
+            # ondemand-sync (prefetch off, the step waits for loads) over a disk throttled to 4 MB/s (a 1 MiB chunk
+            # takes 250 ms to read; the tiny model recomputes it in ~50 ms). The connector starts out believing
+            # the disk is fast (prior 1 GB/s): only a measured read can teach it otherwise.
+            extra = extra_config(
+                self.disk_dir / "slow", self.pools, prefetch=False, load_mode="sync", disk_bps_prior=1e9,
+                io={"read_rate_limit_bps": 4_000_000}, load_margin=1.0,
+            )
             return base | {"kv_transfer_config": connector_config(extra)}
         raise KeyError(name)
 

@@ -4,7 +4,8 @@ Greedy tokens and their logprobs must be identical to recomputing, for every way
 (a) a miss (the connector only saves), (b) a hit from DRAM, (c) from disk after the DRAM tier was evicted,
 (d) from disk by a new engine process started after the first exited, (e) a partial hit, (f) a hit whose disk
 tier breaks mid-run (-> recompute). Plus: prefetch on arrival reaches DRAM before the scheduler reaches a
-queued request, and the counters.
+queued request, and the counters; ``load_mode: sync`` (DRAM and disk hits loaded inside the step); the
+load-or-recompute rule firing once the disk has been measured slow.
 
 The engines run in the order of this file (session fixtures; the restart test closes the first engine).
 """
@@ -92,7 +93,7 @@ def test_c_disk_hit_after_dram_eviction(engines):
     assert_same(e.generate([P])[0], reference(engines, P))
     after = e.counters()
     d = delta(after, before)
-    assert d["worker_loaded_chunks"] == 4
+    assert d["worker_loaded_chunks"] == 4, (d, after["cost"])
     assert d["async_loads"] == 1  # the chunks had to come up from disk
     promoted = after["stores"]["scheduler"]["promoted"] + after["stores"]["worker"]["promoted"]
     assert promoted >= 4
@@ -159,3 +160,41 @@ def test_f_load_error_reported_to_vllm(engines, disk_dir):
     assert_same(e3.generate([t])[0], reference(engines, t))
     d = delta(e3.counters(), before)
     assert d["load_error_chunks"] >= 1 and d["load_error_blocks"] >= 2
+
+
+def test_sync_mode_dram_and_disk_hits(engines):
+    """load_mode sync, prefetch off (the benchmark's ondemand-sync): hits load inside the step, exactly."""
+    e = engines.get("sync_slow_disk")
+    p = prompt(6, LEN)
+    assert_same(e.generate([p])[0], reference(engines, p))  # miss: saved
+    e.generate([prompt(7, LEN)], 1)  # cached for the next test, which finds it on disk after the eviction below
+    before = e.counters()
+    assert_same(e.generate([p])[0], reference(engines, p))  # DRAM hit
+    d = delta(e.counters(), before)
+    assert d["sync_loads"] == 1 and d["worker_loaded_chunks"] == 4 and d["async_loads"] == 0
+    evict_dram(e, 400)
+    before = e.counters()
+    assert_same(e.generate([p])[0], reference(engines, p))  # disk hit, read by the worker inside the step
+    after = e.counters()
+    d = delta(after, before)
+    assert d["sync_loads"] == 1 and d["async_loads"] == 0 and d["prefetched_chunks"] == 0
+    assert d["demand_reads"] == 1 and d["worker_loaded_chunks"] == 4 and d["load_error_chunks"] == 0
+    # That read measured the throttled disk (4 MB/s), replacing the 1 GB/s prior.
+    assert after["cost"]["disk_samples"] >= 1 and after["cost"]["disk_bps"] < 20e6, after["cost"]
+
+
+def test_rule_recomputes_hits_on_a_slow_disk(engines):
+    """Never slower than recomputing: with the disk measured slow, a request whose chunks sit on disk is
+    recomputed, not loaded, and the counter says so; a DRAM hit is still loaded."""
+    e = engines.get("sync_slow_disk")
+    q = prompt(7, LEN)  # saved by the previous test, evicted from DRAM since: on disk only
+    before = e.counters()
+    assert before["cost"]["prefill_tps"] and before["cost"]["disk_bps"] < 20e6
+    assert_same(e.generate([q])[0], reference(engines, q))
+    d = delta(e.counters(), before)
+    assert d["recomputed_slower_chunks"] == 4, d
+    assert d["loaded_chunks"] == 0 and d["worker_loaded_chunks"] == 0 and d["demand_reads"] == 0
+    before = e.counters()
+    assert_same(e.generate([q])[0], reference(engines, q))  # now saved again, in DRAM: loading pays
+    d = delta(e.counters(), before)
+    assert d["worker_loaded_chunks"] == 4 and d["recomputed_slower_chunks"] == 0

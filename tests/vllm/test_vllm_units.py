@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -52,6 +53,17 @@ def test_gather_scatter_round_trip(order, split):
     # Untouched blocks stay zero.
     for b in set(range(B)) - {3, 4, 6}:
         assert not dst.layers[0][b].any()
+    # The copy-free paths: gather straight into chunk rows, scatter one chunk from a read-only byte view.
+    buf2 = torch.empty_like(buf)
+    src.gather_into(chunks, buf2, geo)
+    assert torch.equal(buf, buf2)
+    from kvprefetch.vllm.layout import chunk_tensor
+
+    ro = memoryview(buf2[1].numpy()).toreadonly()
+    dst2 = PagedKV([torch.zeros_like(t) for t in src_layers], B, N)
+    for li in range(L):
+        dst2.scatter_chunk_layer(li, chunk_tensor(ro), [-1, 5], geo)
+        assert torch.equal(dst2.layers[li][5], src.layers[li][9]) and not dst2.layers[li][0].any()
 
 
 def test_chunk_is_whole_blocks():
@@ -80,10 +92,52 @@ def test_cost_model_loads_only_what_pays():
 
 
 def test_cost_model_prefix_rule_can_load_past_one_slow_chunk():
-    cm = CostModel(chunk_bytes=1 << 20, chunk_tokens=256, prefill_tps=256 / 0.01)  # 10 ms per chunk
-    cm.chunk_load_s = lambda on_disk: 0.015 if on_disk else 0.001  # type: ignore[method-assign]
-    # One slow chunk followed by fast ones still pays as a whole prefix (gain 9 - 5 + 9 + 9 > 9).
+    # 10 ms to recompute a chunk, 1 ms to copy one, 15 ms to read one from disk.
+    cm = CostModel(chunk_bytes=1 << 20, chunk_tokens=256, prefill_tps=256 / 0.01, copy_bps=(1 << 20) / 0.001,
+                   disk_bps=(1 << 20) / 0.015)
+    # One slow chunk followed by DRAM ones still pays as a whole prefix: all four are in after 18 ms < 40 ms.
     assert cm.plan([False, True, False, False]).load_chunks == 4
+    # Disk chunks are served one after another (in after 16, 31, 46, 61 ms): no prefix beats recomputing it
+    # (10, 20, 30, 40 ms): recompute all.
+    assert cm.plan([True, True, True, True]).load_chunks == 0
+    # Queued reads in front of the request push its chunks back: the DRAM head still pays, the disk tail not.
+    p = cm.plan([False, False, True, True], queue_bytes=10 << 20)
+    assert p.load_chunks == 2 and p.skipped_slower == 2
+    # An async load waits at least one engine step: with 50 ms steps, reaching the fast disk chunk no longer pays.
+    cm.disk_bps.value = 100e9
+    assert cm.plan([False, False, True]).load_chunks == 3
+    cm.observe_prefill(2, 0.05)  # a decode step: no prefill-speed sample, but a step time
+    assert cm.prefill_tps.samples == 0 and cm.step_s.value == 0.05
+    assert cm.plan([False, False, True], async_s=cm.expected_step_s(10_000)).load_chunks == 2
+    assert cm.plan([False, False, True]).load_chunks == 3  # sync mode: no step to wait for
+    assert cm.expected_step_s(0) == 0  # an idle engine: the async load is reported at once
+
+
+def test_tier_meter_measures_busy_time_not_queueing():
+    from concurrent.futures import Future
+
+    from kvprefetch.vllm.costmodel import TierMeter
+
+    now = [0.0]
+    samples = []
+    m = TierMeter(lambda b, s: samples.append(b / s), sample_ops=2, clock=lambda: now[0])
+    futs = [Future() for _ in range(4)]
+    m.track(futs, 100)
+    assert m.outstanding == 4
+    for i, f in enumerate(futs):
+        now[0] = 0.1 * (i + 1)  # one read completes every 100 ms: 1000 B/s
+        f.set_result(True)
+    assert m.outstanding == 0 and samples == pytest.approx([1000, 1000])
+    now[0] = 60.0  # idle for a minute: not counted
+    f = Future()
+    m.track([f], 100)
+    now[0] = 60.05
+    f.set_result(True)
+    assert samples[-1] == pytest.approx(2000)
+    g = Future()
+    m.track([g], 100)
+    g.cancel()  # a dropped read moves no bytes
+    assert m.outstanding == 0 and len(samples) == 3
 
 
 def test_settings_defaults_and_validation(tmp_path):
@@ -95,6 +149,9 @@ def test_settings_defaults_and_validation(tmp_path):
     s = parse_extra_config({"config_path": str(y), "load_policy": "always", "io": {"threads": 2}})
     assert s.store.chunk_tokens == 512 and not s.prefetch and s.store.io.threads == 2
     assert s.load_policy == "always"
+    assert s.load_mode == "async" and parse_extra_config({"load_mode": "sync"}).load_mode == "sync"
+    with pytest.raises(ValueError):
+        parse_extra_config({"load_mode": "eventually"})
     with pytest.raises(ValueError):
         parse_extra_config({"load_policy": "sometimes"})
     with pytest.raises(ValueError):
@@ -166,11 +223,11 @@ class FakeStore:
             self.pins.remove(k)
 
 
-def make_scheduler(prefetch=True):
+def make_scheduler(prefetch=True, **extra):
     from kvprefetch.keys import ChunkKeyer, KVNamespace
     from kvprefetch.vllm.scheduler import SchedulerSide
 
-    settings = parse_extra_config({"prefetch": prefetch})
+    settings = parse_extra_config({"prefetch": prefetch, **extra})
     ns = KVNamespace(model="m", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32")
     keyer = ChunkKeyer(ns, 256)
     store = FakeStore()
@@ -206,11 +263,45 @@ def test_scheduler_prefetches_on_arrival_and_loads_async_until_in_dram():
     side.update_state_after_alloc(r, list(range(100, 109)), 768)
     so = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
                          num_scheduled_tokens={}, total_num_scheduled_tokens=0)
-    assert side.build_connector_meta(so).loads == []  # still reading
+    # The worker gets the job at once and copies each chunk as it reaches DRAM ...
+    meta = side.build_connector_meta(so)
+    assert len(meta.loads) == 1 and meta.loads[0].is_async and meta.loads[0].awaits_prefetch
+    assert meta.loads[0].block_ids == [[100, 101], [102, 103], [104, 105]]
+    assert meta.settled == []  # still reading
     store.handles[0].finished = True
     meta = side.build_connector_meta(so)
-    assert len(meta.loads) == 1 and meta.loads[0].is_async
-    assert meta.loads[0].block_ids == [[100, 101], [102, 103], [104, 105]]
+    assert meta.loads == [] and meta.settled == [r.request_id]  # ... and learns when the reads are over
+    assert side.build_connector_meta(so).settled == []  # once
+
+
+def test_scheduler_sync_mode_loads_disk_hits_inside_the_step():
+    side, store, keyer, _ = make_scheduler(prefetch=False, load_mode="sync")
+    toks = list(range(1100))
+    for k in keyer.keys(toks)[:2]:
+        store.tiers[k] = "disk"
+    r = req(toks)
+    side.on_new_request(r)
+    assert side.get_num_new_matched_tokens(r, 0) == (512, False)  # a sync load, even from disk
+    side.update_state_after_alloc(r, list(range(10, 19)), 512)
+    assert store.handles == []  # the worker reads them inside the step, not the scheduler
+    so = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+                         num_scheduled_tokens={}, total_num_scheduled_tokens=0)
+    job = side.build_connector_meta(so).loads[0]
+    assert not job.is_async and job.on_disk == 2
+    assert side.counters.snapshot()["demand_reads"] == 1
+
+
+def test_scheduler_recomputes_when_the_disk_is_slow():
+    side, store, keyer, _ = make_scheduler(prefetch=False)
+    side.cost.observe_prefill(2560, 0.1)  # 25.6k tok/s: 10 ms per chunk
+    side.cost.observe_disk(1000, 1.0)  # 1 kB/s: a 1000-byte chunk takes a second to read
+    toks = list(range(1100))
+    keys = keyer.keys(toks)
+    store.tiers.update({keys[0]: "dram", keys[1]: "disk", keys[2]: "disk"})
+    r = req(toks)
+    side.on_new_request(r)
+    assert side.get_num_new_matched_tokens(r, 0) == (256, False)  # the DRAM head only: a split
+    assert side.counters.snapshot()["recomputed_slower_chunks"] == 2
 
 
 def test_scheduler_sync_load_from_dram_skips_engine_prefix_and_keeps_one_token():
@@ -259,3 +350,50 @@ def test_scheduler_saves_whole_chunks_and_holds_blocks_while_saving():
     job = side.build_connector_meta(so3).saves[0]
     side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=KVPrefetchWorkerMeta({job.job_id: 1})))
     assert side.request_finished(r2) is False
+
+
+def test_scheduler_holds_prefetched_chunks_in_dram_until_the_request_is_served(tmp_path):
+    """Prefetched chunks are pinned as they land, so later arrivals cannot evict them before their request is
+    served; the pins go when it is (here: when it finishes), and never exceed half the DRAM tier."""
+    import uuid
+
+    import numpy as np
+
+    from kvprefetch.config import StoreConfig
+    from kvprefetch.keys import ChunkKeyer, KVNamespace
+    from kvprefetch.store import TieredStore
+    from kvprefetch.vllm.scheduler import SchedulerSide
+
+    chunk = 4096
+    cfg = {"dram": {"capacity_bytes": 64 * 8192}, "disk": {"path": str(tmp_path), "fsync": False}}
+    keyer = ChunkKeyer(KVNamespace(model="m", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32"), 256)
+    toks = list(range(1100))
+    keys = keyer.keys(toks)
+    pools = []
+    try:
+        pools.append(f"kvpt-{uuid.uuid4().hex[:8]}")
+        writer = TieredStore(StoreConfig.from_dict(cfg | {"dram": cfg["dram"] | {"pool_name": pools[-1]}}), chunk)
+        writer.put(keys, [np.full(chunk, i, np.uint8) for i in range(len(keys))]).result(timeout=30)
+        writer.close()
+        pools.append(f"kvpt-{uuid.uuid4().hex[:8]}")  # a fresh DRAM pool: the chunks are on disk only
+        settings = parse_extra_config(cfg | {"dram": cfg["dram"] | {"pool_name": pools[-1]}})
+        store = TieredStore(settings.store, chunk)
+        side = SchedulerSide(settings, keyer, store, block_size=128, blocks_per_chunk=2, chunk_bytes=chunk,
+                             world_size=1, counters=ConnectorCounters("scheduler"))
+        r = req(toks)
+        side.on_new_request(r)
+        assert side.reqs[r.request_id].prefetch.wait(10)
+        deadline = time.monotonic() + 5
+        while side._held < len(keys) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert side._held == len(keys) and store.dram.stats()["slots_pinned"] == len(keys)
+        assert side._hold_budget == 64 * 8192 // chunk // 2
+        side.request_finished(r)
+        assert side._held == 0 and store.dram.stats()["slots_pinned"] == 0
+        store.close()
+    finally:
+        from pathlib import Path
+
+        for n in pools:
+            for f in Path("/dev/shm").glob(f"*{n}*"):
+                f.unlink(missing_ok=True)

@@ -89,11 +89,12 @@ def main() -> None:
             from kvprefetch.vllm.connector import live_connectors
             from kvprefetch.vllm.metrics import snapshot_all
 
-            stores = {}
+            stores, cost = {}, None
             for c in live_connectors():
                 if c.store is not None:
                     stores[c.counters.role] = c.store.stats().get("store")
-            _reply({"counters": snapshot_all(), "stores": stores})
+                cost = c.cost_snapshot() or cost
+            _reply({"counters": snapshot_all(), "stores": stores, "cost": cost})
         elif op == "flush":
             from kvprefetch.vllm.connector import live_connectors
 

@@ -139,9 +139,9 @@ class KVPrefetchConnector(KVConnectorBase_V1):
                 metrics_dir=self.settings.metrics_dir, metrics_port=self.settings.metrics_port, serve=True,
             )
             log.info(
-                "kvprefetch: scheduler side up (chunk %d tokens = %d B, prefetch %s, namespace %s)",
+                "kvprefetch: scheduler side up (chunk %d tokens = %d B, prefetch %s, load_mode %s, namespace %s)",
                 chunk_tokens, self.geo.chunk_bytes, "on" if self.settings.prefetch else "off",
-                self.namespace.short_id,
+                self.settings.load_mode, self.namespace.short_id,
             )
         else:
             rank = _tp_rank()
@@ -179,8 +179,8 @@ class KVPrefetchConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        if self._worker is not None:
-            self._worker.on_bind()
+        if self._worker is not None and isinstance(connector_metadata, KVPrefetchMetadata):
+            self._worker.on_bind(connector_metadata)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None and isinstance(kv_connector_metadata, KVPrefetchMetadata):
@@ -264,6 +264,10 @@ class KVPrefetchConnector(KVConnectorBase_V1):
     def stats(self) -> dict[str, Any]:
         return self.counters.snapshot()
 
+    def cost_snapshot(self) -> dict[str, Any] | None:
+        """The scheduler side's load-or-recompute estimates (measured rates, priors until measured)."""
+        return self._sched.cost_snapshot() if self._sched is not None else None
+
 
 class _RankStore:
     """The store as one tensor-parallel rank sees it (rank > 0 keys its chunks apart)."""
@@ -277,6 +281,12 @@ class _RankStore:
 
     def put(self, keys, buffers):
         return self._s.put(_rank_keys(list(keys), self._rank), buffers)
+
+    def view(self, keys):
+        return self._s.view(_rank_keys(list(keys), self._rank))
+
+    def lookup(self, keys):
+        return self._s.lookup(_rank_keys(list(keys), self._rank))
 
     def __getattr__(self, name: str):
         return getattr(self._s, name)

@@ -19,7 +19,10 @@ it in this request; a DRAM chunk costs only its copy. Recomputing a chunk costs 
 speed. A load must be a prefix, and the request waits for its slowest loaded chunk, so the plan loads the k
 leading chunks that maximise ``k*r - margin * max_{i<k} l_i`` (k=0: recompute everything): a slow or
 overloaded tier degrades to recompute, never below it, and a split (load the head, compute the rest) happens
-when only the head pays.
+when only the head pays. An asynchronous load (a prefix reaching below DRAM, ``load_mode: async``) also costs
+the request the rest of the current engine step, since vLLM schedules it only in a step after its load is
+reported done: its load time is at least ``async_s``, the expected duration of that step (`expected_step_s`:
+the last step's tokens at the measured speed, capped by the measured step time; ~0 on an idle engine).
 """
 
 from __future__ import annotations
@@ -118,6 +121,7 @@ class CostModel:
         self.disk_bps = Ema(disk_bps)
         self.copy_bps = Ema(copy_bps)
         self.prefill_tps = Ema(prefill_tps)
+        self.step_s = Ema(None)  # duration of an engine step that computes something
         self.margin = margin  # load only if load_time * margin <= recompute_time
         self._lock = threading.Lock()
 
@@ -133,9 +137,11 @@ class CostModel:
                 self.copy_bps.observe(nbytes / seconds)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
-        if tokens >= 16 and seconds > 1e-6:
+        if tokens > 0 and seconds > 1e-6:
             with self._lock:
-                self.prefill_tps.observe(tokens / seconds)
+                self.step_s.observe(seconds)
+                if tokens >= 16:
+                    self.prefill_tps.observe(tokens / seconds)
 
     def snapshot(self) -> dict[str, float | int | None]:
         return {
@@ -145,6 +151,7 @@ class CostModel:
             "disk_samples": self.disk_bps.samples,
             "copy_bps": self.copy_bps.value,
             "copy_samples": self.copy_bps.samples,
+            "step_s": self.step_s.value,
         }
 
     # ---- decision -------------------------------------------------------------------------------------------
@@ -158,10 +165,22 @@ class CostModel:
         tps = self.prefill_tps.value
         return None if not tps else tokens / tps
 
-    def plan(self, on_disk: Sequence[bool], first: int = 0, queue_bytes: int = 0) -> Plan:
+    def expected_step_s(self, last_step_tokens: int) -> float:
+        """How long the step now being scheduled will take, predicted from the last one (0 tokens: idle)."""
+        if last_step_tokens <= 0:
+            return 0.0
+        step = self.step_s.value
+        tps = self.prefill_tps.value
+        if tps:
+            est = last_step_tokens / tps
+            return min(est, step) if step else est
+        return step or 0.0
+
+    def plan(self, on_disk: Sequence[bool], first: int = 0, queue_bytes: int = 0, async_s: float | None = None) -> Plan:
         """on_disk[i]: chunk i must come up from disk (False: already in DRAM). Chunks < first need no load.
 
-        queue_bytes: disk reads queued ahead of this request's first disk chunk.
+        queue_bytes: disk reads queued ahead of this request's first disk chunk. async_s: a prefix that reaches
+        below DRAM is loaded asynchronously and costs at least this long (None: loads are synchronous).
         """
         n = len(on_disk)
         if n <= first:
@@ -171,13 +190,16 @@ class CostModel:
         ready: list[float] = []
         disk_done = self.disk_s(queue_bytes)
         copy_done = 0.0
+        min_s = 0.0
         for i in range(first, n):
             if on_disk[i]:
                 disk_done += self.disk_s(self.chunk_bytes)
                 copy_done = max(copy_done, disk_done) + self.copy_s()
+                if async_s:
+                    min_s = async_s
             else:
                 copy_done += self.copy_s()
-            ready.append(copy_done)
+            ready.append(max(copy_done, min_s))
         if r is None:  # nothing measured yet: loads pay (DRAM copy >> prefill speed on every engine we know)
             return Plan(n, 0, ready[-1], float("nan"))
         best_k, best_gain = first, 0.0

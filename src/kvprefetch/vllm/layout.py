@@ -16,11 +16,23 @@ is one contiguous run, which is what lets a load scatter layer by layer while th
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+# Chunks are read straight out of the shared DRAM pool through read-only views; torch warns that it cannot
+# guarantee read-only-ness of such tensors. We only ever read them.
+warnings.filterwarnings("ignore", message="The given (buffer|NumPy array) is not writable")
+
+
+def chunk_tensor(buf) -> torch.Tensor:
+    """A flat uint8 tensor over a chunk buffer (tensor, numpy array or memoryview; zero-copy, maybe read-only)."""
+    if isinstance(buf, torch.Tensor):
+        return buf.view(torch.uint8).reshape(-1)
+    return torch.from_numpy(np.frombuffer(buf, dtype=np.uint8))
 
 
 @dataclass(frozen=True)
@@ -110,6 +122,33 @@ class PagedKV:
         for li, layer in enumerate(self.layers):
             pages = layer.index_select(0, idx)
             view[:, li].copy_(pages.view(len(block_ids), geo.blocks_per_chunk, *self.page_shape))
+
+    def gather_into(self, block_ids: Sequence[Sequence[int]], out: torch.Tensor, geo: ChunkGeometry) -> None:
+        """Like `gather`, with no intermediate tensor: each chunk's pages go straight into its row of ``out``
+        (host KV; device KV takes `gather`'s path: one batched gather on the device, then one transfer)."""
+        if out.device != self.device:
+            self.gather(block_ids, out, geo)
+            return
+        view = self.chunk_view(out[: len(block_ids)], geo)
+        for i, chunk in enumerate(block_ids):
+            if len(chunk) != geo.blocks_per_chunk:
+                raise ValueError("every chunk to save needs exactly blocks_per_chunk blocks")
+            idx = self._index(chunk)
+            for li, layer in enumerate(self.layers):
+                torch.index_select(layer, 0, idx, out=view[i, li])
+
+    def scatter_chunk_layer(self, li: int, chunk: torch.Tensor, block_ids: Sequence[int], geo: ChunkGeometry) -> None:
+        """Copy layer ``li`` of one chunk (flat uint8, e.g. a view of the DRAM pool) into its blocks (< 0: skip)."""
+        lb = geo.layer_bytes
+        pages = chunk[li * lb : (li + 1) * lb].view(self.dtype).view(geo.blocks_per_chunk, *self.page_shape)
+        keep = [j for j, b in enumerate(block_ids) if b >= 0]
+        if not keep:
+            return
+        if len(keep) != len(block_ids):
+            pages = pages[keep[0] :] if keep == list(range(keep[0], len(block_ids))) else pages[keep]
+        if pages.device != self.device:
+            pages = pages.to(self.device, non_blocking=True)
+        self.layers[li].index_copy_(0, self._index([block_ids[j] for j in keep]), pages)
 
     def scatter_layer(self, li: int, src: torch.Tensor, block_ids: Sequence[Sequence[int]], geo: ChunkGeometry) -> None:
         """Copy layer ``li`` of chunks ``src[i]`` into their blocks; a block id < 0 is skipped (already present)."""

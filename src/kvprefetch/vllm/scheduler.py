@@ -18,6 +18,7 @@ Runs in vLLM's scheduler (engine-core) process, where requests arrive. Life of a
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,9 @@ class _Req:
     planned: tuple[int, int, bool] | None = None  # (first chunk, chunks to load, async) from the last query
     pending_load: LoadJob | None = None  # async load handed to the worker, waiting for its chunks/copy
     settled_sent: bool = False
+    skipped_slower: int = 0
+    held: list[bytes] = field(default_factory=list)  # prefetched chunks pinned in DRAM until the load is done
+    released: bool = False
     pinned: list[bytes] = field(default_factory=list)
     saved_chunks: int = 0  # leading chunks known to be in the store (loaded, present or saved)
     saves_inflight: set[int] = field(default_factory=set)
@@ -93,8 +97,15 @@ class SchedulerSide:
         self._next_job = 1
         self._seq = 0
         self._cancel_loads: list[str] = []
+        self._last_step_tokens = 0
         # Throughput of the reads this process drives (prefetches); the workers report their own demand reads.
         self.disk_meter = TierMeter(self.cost.observe_disk, clock=clock)
+        # Prefetched chunks stay pinned in DRAM until their request is served, so later arrivals and saves do
+        # not evict them first; at most half the DRAM tier is held that way.
+        self._pin_lock = threading.Lock()
+        self._held = 0
+        image = max(chunk_bytes, 1)
+        self._hold_budget = int(settings.store.dram.capacity_bytes) // image // 2
 
     # ---- keys -----------------------------------------------------------------------------------------------
     def _keys(self, st: _Req, num_tokens: int) -> list[bytes]:
@@ -122,6 +133,8 @@ class SchedulerSide:
             return
         hit = self.store.lookup(keys)
         st.arrival_in_dram = sum(1 for t in hit.tiers if _is_dram(t))
+        # What is in DRAM already is held there too, or the requests ahead of it may evict it before it is served.
+        self._hold_keys(st, [k for k, t in zip(keys, hit.tiers, strict=False) if _is_dram(t)])
         if hit.num_hit_chunks > st.arrival_in_dram:
             self._start_prefetch(st, keys[: hit.num_hit_chunks], hit.num_hit_chunks - st.arrival_in_dram)
 
@@ -131,6 +144,36 @@ class SchedulerSide:
         st.prefetch_chunks = len(tickets) or disk_chunks
         self.disk_meter.track([getattr(t, "future", None) for t in tickets.values()], self.chunk_bytes)
         self.counters.inc("prefetched_chunks", st.prefetch_chunks)
+        for key, ticket in tickets.items():
+            fut = getattr(ticket, "future", None)
+            if fut is not None:
+                fut.add_done_callback(lambda f, key=key, st=st: self._hold(st, key, f))
+
+    def _hold(self, st: _Req, key: bytes, fut: Any) -> None:
+        """(I/O thread) A prefetched chunk reached DRAM: pin it there until its request has been served."""
+        if fut.cancelled() or fut.exception() is not None or not fut.result():
+            return
+        self._hold_keys(st, [key])
+
+    def _hold_keys(self, st: _Req, keys: list[bytes]) -> None:
+        with self._pin_lock:
+            if st.released:
+                return
+            keys = keys[: max(0, self._hold_budget - self._held)]
+            if not keys:
+                return
+            for key, ok in zip(keys, self.store.pin(keys), strict=True):
+                if ok:
+                    st.held.append(key)
+                    self._held += 1
+
+    def _release_held(self, st: _Req) -> None:
+        with self._pin_lock:
+            st.released = True
+            keys, st.held = st.held, []
+            self._held -= len(keys)
+        if keys:
+            self.store.unpin(keys)
 
     def _queued_disk_bytes(self, st: _Req) -> int:
         """Reads queued in front of this request's: other requests' unfinished reads that arrived earlier
@@ -162,24 +205,37 @@ class SchedulerSide:
         hit = self.store.lookup(keys)
         n_hit = hit.num_hit_chunks
         first = num_computed_tokens // self.C  # chunks fully on the engine already
+        on_disk = [not _is_dram(t) for t in hit.tiers]
         if not st.reached:
             st.reached = True
             if st.prefetch is not None and st.prefetch_chunks:
                 if st.prefetch.done():
                     self.counters.inc("prefetch_in_time")
+                    if any(on_disk):  # DRAM too small for what is queued: the reads were wasted
+                        self.counters.inc("prefetch_evicted")
                 else:
                     self.counters.inc("prefetch_late")
         if n_hit * self.C <= num_computed_tokens:
+            self._release_held(st)
             return 0, False
-        on_disk = [not _is_dram(t) for t in hit.tiers]
         if self.s.load_policy == "always":
             k = n_hit
         else:
-            plan = self.cost.plan(on_disk, first, self._queued_disk_bytes(st))
+            async_s = self.cost.expected_step_s(self._last_step_tokens) if self.s.load_mode == "async" else None
+            plan = self.cost.plan(on_disk, first, self._queued_disk_bytes(st), async_s)
             k = plan.load_chunks
-            if plan.skipped_slower:
-                self.counters.inc("recomputed_slower_chunks", plan.skipped_slower)
+            # (vLLM asks again each step while the request waits for blocks: count each chunk once)
+            if plan.skipped_slower > st.skipped_slower:
+                self.counters.inc("recomputed_slower_chunks", plan.skipped_slower - st.skipped_slower)
+                st.skipped_slower = plan.skipped_slower
+            if k < n_hit and st.prefetch is not None and getattr(st.prefetch, "tickets", None):
+                # Reads of chunks it will recompute are wasted: drop those not started yet.
+                for key in keys[k:n_hit]:
+                    ticket = st.prefetch.tickets.get(key)
+                    if ticket is not None and ticket.cancel():
+                        self.counters.inc("prefetch_cancelled_chunks")
         if k * self.C <= num_computed_tokens:
+            self._release_held(st)
             return 0, False
         disk = sum(on_disk[first:k])
         is_async = bool(disk) and self.s.load_mode == "async"
@@ -248,6 +304,7 @@ class SchedulerSide:
             if st.saves_inflight and (rid in pre or "PREEMPTED" in str(getattr(st.request, "status", "")))
         ]
         meta.step_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
+        self._last_step_tokens = meta.step_tokens
         return meta
 
     def _plan_saves(self, so: Any, meta: KVPrefetchMetadata) -> None:
@@ -265,7 +322,14 @@ class SchedulerSide:
             if full <= st.saved_chunks:
                 continue
             keys = self._keys(st, full * self.C)[st.saved_chunks : full]
-            present = self.store.lookup(keys).num_hit_chunks
+            # Chunks already in DRAM are skipped. Chunks only on disk that the engine computed anyway (recomputed
+            # because the disk was too slow, or served by vLLM's own prefix cache) are put again: into DRAM, where
+            # the next hit is cheap; the store does not write them to disk twice.
+            present = 0
+            for tier in self.store.lookup(keys).tiers:
+                if not _is_dram(tier):
+                    break
+                present += 1
             first = st.saved_chunks + present
             st.saved_chunks = full
             if first >= full or self.get_block_ids is None:
@@ -316,6 +380,7 @@ class SchedulerSide:
         return self.cost.snapshot() | {"disk_outstanding": self.disk_meter.outstanding}
 
     def _unpin(self, st: _Req) -> None:
+        self._release_held(st)
         if st.pinned:
             self.store.unpin(st.pinned)
             st.pinned = []
@@ -325,6 +390,7 @@ class SchedulerSide:
         st = self.reqs.pop(request.request_id, None)
         if st is None:
             return False
+        self._release_held(st)
         if st.prefetch is not None and not st.prefetch.done() and hasattr(st.prefetch, "cancel"):
             n = st.prefetch.cancel()
             if n:

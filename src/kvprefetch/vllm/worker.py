@@ -1,13 +1,19 @@
 """Worker-side half of the connector: copies between the shared DRAM pool and vLLM's paged KV.
 
-* Synchronous loads (the chunks were in DRAM when the scheduler reached the request) run on a loader thread
-  that starts with the step: it copies the chunks out of the pool, then fills the engine's blocks one layer
-  at a time; ``wait_for_layer_load`` blocks only until *that* layer is in, so the copy of layer i+1 overlaps
-  the attention of layer i.
-* Asynchronous loads (chunks that had to come up from disk) run between steps on their own thread and are
-  reported through ``get_finished``; vLLM keeps scheduling other requests meanwhile.
+* Synchronous loads (the chunks were in DRAM when the scheduler reached the request, or ``load_mode: sync``)
+  run on a loader thread that starts with the step: it pins the chunks in the shared pool (``store.view``,
+  zero-copy; chunks not in DRAM are read into a staging buffer first, which in sync mode is what the step
+  waits for) and fills the engine's blocks one layer at a time straight from the pool; ``wait_for_layer_load``
+  blocks only until *that* layer is in, so the copy of layer i+1 overlaps the attention of layer i.
+* Asynchronous loads (chunks that had to come up from disk) run on their own thread and are reported through
+  ``get_finished``; vLLM keeps scheduling other requests meanwhile. The job arrives as soon as the scheduler
+  reaches the request; each chunk is copied into the engine the moment it reaches DRAM (the scheduler's
+  process is reading it); once the scheduler reports its reads settled, whatever is still missing is read
+  here on demand (joining a read in flight in another process rather than reading twice).
 * Saves run after the forward on a saver thread: copy the chunk's pages out of the blocks (the only moment the
   blocks are needed), then ``store.put`` (DRAM now, disk write-back asynchronously).
+* An engine with nothing to compute but loads in flight would spin through empty steps; an empty step waits
+  (a few ms at most) for an async load to finish instead, which frees the CPU for the reads.
 * A chunk that fails to load is a miss: its blocks go to ``get_block_ids_with_load_errors`` and vLLM
   recomputes them. Each failure cause is logged once.
 """
@@ -24,11 +30,13 @@ from typing import Any
 
 import torch
 
-from kvprefetch.vllm.layout import ChunkGeometry, PagedKV
+from kvprefetch.vllm.layout import ChunkGeometry, PagedKV, chunk_tensor
 from kvprefetch.vllm.metadata import KVPrefetchMetadata, KVPrefetchWorkerMeta, LoadJob, SaveJob
 from kvprefetch.vllm.metrics import ConnectorCounters
 
 log = logging.getLogger("kvprefetch.vllm")
+IDLE_WAIT_S = 0.005  # longest an empty engine step waits for an async load to finish
+POLL_S = 0.002  # how often an async load looks for a chunk the scheduler's process is still reading
 
 
 class _Staging:
@@ -58,6 +66,9 @@ class _LayerwiseLoad:
         self.exc: BaseException | None = None
         self.nbytes = 0
         self.seconds = 0.0
+        self.copy_seconds = 0.0
+        self.disk_bytes = 0
+        self.disk_seconds = 0.0
         self.thread = threading.Thread(target=self._run, name="kvprefetch-load", daemon=True)
 
     def start(self, background: bool) -> None:
@@ -70,22 +81,24 @@ class _LayerwiseLoad:
         t0 = time.perf_counter()
         try:
             side = self.side
-            total = sum(len(j.keys) for j in self.jobs)
-            stage = side._load_stage.get(total)
-            spans = []
-            row = 0
-            for job in self.jobs:
-                n_ok = side._fetch(job, stage[row : row + len(job.keys)])
-                ok_ids = job.block_ids[:n_ok]
-                self.error_blocks |= side._failed_blocks(job, n_ok)
-                spans.append((row, n_ok, ok_ids))
-                row += len(job.keys)
-            for li in range(side.geo.num_layers):
-                for r0, n_ok, ids in spans:
-                    if n_ok:
-                        side.kv.scatter_layer(li, stage[r0 : r0 + n_ok], ids, side.geo)
-                self.events[li].set()
-            self.nbytes = sum(n for _, n, _ in spans) * side.geo.chunk_bytes
+            geo = side.geo
+            with contextlib.ExitStack() as stack:
+                work = []  # (chunk sources, block ids) per job
+                stage = side._load_stage.get(sum(len(j.keys) for j in self.jobs))  # rows touched only if used
+                row = 0
+                for job in self.jobs:
+                    srcs = side._sources(job, stack, self, stage[row : row + len(job.keys)])
+                    row += len(job.keys)
+                    self.error_blocks |= side._failed_blocks(job, len(srcs))
+                    work.append((srcs, job.block_ids[: len(srcs)]))
+                t_copy = time.perf_counter()
+                for li in range(geo.num_layers):
+                    for srcs, ids in work:
+                        for src, chunk_ids in zip(srcs, ids, strict=True):
+                            side.kv.scatter_chunk_layer(li, src, chunk_ids, geo)
+                    self.events[li].set()
+                self.copy_seconds = time.perf_counter() - t_copy
+            self.nbytes = sum(len(srcs) for srcs, _ in work) * geo.chunk_bytes
         except BaseException as e:  # never leave the forward pass waiting
             self.exc = e
             for job in self.jobs:
@@ -141,7 +154,15 @@ class WorkerSide:
         self._load_seconds = 0.0
         self._step_tokens = 0
         self._forward_s = 0.0
+        self._disk_bytes = 0
+        self._disk_s = 0.0
         self._t_bind = 0.0
+        self._cv = threading.Condition(self._lock)
+        self._async_inflight = 0
+        self._settled: set[str] = set()
+        self._cancelled: set[str] = set()
+        self._active: set[str] = set()  # requests with an async load on this worker
+        self._async_started: KVPrefetchMetadata | None = None
         self._warned: set[str] = set()
 
     # ---- setup ----------------------------------------------------------------------------------------------
@@ -157,18 +178,40 @@ class WorkerSide:
         self.store = self.open_store(self.geo.chunk_bytes)
 
     # ---- copies ---------------------------------------------------------------------------------------------
-    def _fetch(self, job: LoadJob, stage: torch.Tensor) -> int:
-        """Copy the job's chunks from the store into stage; return how many leading chunks arrived."""
+    def _sources(
+        self, job: LoadJob, stack: contextlib.ExitStack, load: _LayerwiseLoad, stage: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """Flat uint8 sources for the job's leading loadable chunks: zero-copy pinned views of the DRAM pool
+        where the chunks are there (held until ``stack`` exits), the staging buffer for the rest."""
+        n = len(job.keys)
+        views: list = []
         try:
-            n = int(self.store.get_into(job.keys, [stage[i].numpy() for i in range(len(job.keys))]))
+            views = stack.enter_context(self.store.view(job.keys))
         except Exception as e:  # the store (or its process) is gone: a miss, never a failed request
             self._warn_once(type(e).__name__, f"store read failed ({e}); recomputing")
-            n = 0
-        if n < len(job.keys):
+            self.counters.inc("load_error_chunks", n)
+            return []
+        srcs = [chunk_tensor(v) for v in views]
+        if len(srcs) < n:  # below DRAM (sync mode) or evicted since planning: read them now, inside the step
+            rest = job.keys[len(srcs) :]
+            t0 = time.perf_counter()
+            got = self._get_into(rest, stage)
+            if got and job.on_disk:
+                load.disk_bytes += got * self.geo.chunk_bytes
+                load.disk_seconds += time.perf_counter() - t0
+            srcs += [stage[i] for i in range(got)]
+        if len(srcs) < n:
             self._warn_once("short", "chunks missing or corrupt at load time; recomputing them")
-            self.counters.inc("load_error_chunks", len(job.keys) - n)
-        self.counters.inc("worker_loaded_chunks", n)
-        return n
+            self.counters.inc("load_error_chunks", n - len(srcs))
+        self.counters.inc("worker_loaded_chunks", len(srcs))
+        return srcs
+
+    def _get_into(self, keys: Sequence[bytes], stage: torch.Tensor) -> int:
+        try:
+            return int(self.store.get_into(keys, [stage[i].numpy() for i in range(len(keys))]))
+        except Exception as e:
+            self._warn_once(type(e).__name__, f"store read failed ({e}); recomputing")
+            return 0
 
     @staticmethod
     def _failed_blocks(job: LoadJob, n_ok: int) -> set[int]:
@@ -180,8 +223,13 @@ class WorkerSide:
             log.warning("kvprefetch: %s (logged once per cause: %s)", msg, cause)
 
     # ---- per step -------------------------------------------------------------------------------------------
-    def on_bind(self) -> None:
+    def on_bind(self, meta: KVPrefetchMetadata) -> None:
+        """Before the forward: start this step's async loads now, so they overlap the forward and can be
+        reported finished at the end of this very step (vLLM itself would start them after the forward)."""
         self._t_bind = time.perf_counter()
+        if meta.loads or meta.settled or meta.cancel_loads:
+            self.handle_preemptions(meta)  # an async load may write blocks a preempted request's save still reads
+            self._start_async(meta)
 
     def handle_preemptions(self, meta: KVPrefetchMetadata) -> None:
         for rid in meta.preempted:
@@ -195,35 +243,91 @@ class WorkerSide:
 
     def start_load_kv(self, meta: KVPrefetchMetadata) -> None:
         self.handle_preemptions(meta)
+        self._start_async(meta)  # no-op when on_bind started them
         sync = [j for j in meta.loads if not j.is_async and not j.cancelled]
-        for job in meta.loads:
-            if job.is_async or job.cancelled:
-                self._async_pool.submit(self._async_load, job)
         if sync and self.kv is not None:
             self.counters.inc("sync_loads", len(sync))
             self._sync = _LayerwiseLoad(self, sync)
             self._sync.start(background=self.layerwise)
 
+    def _start_async(self, meta: KVPrefetchMetadata) -> None:
+        if self._async_started is meta:
+            return
+        self._async_started = meta
+        for job in meta.loads:
+            if job.is_async or job.cancelled:
+                with self._lock:
+                    self._async_inflight += 1
+                    self._active.add(job.req_id)
+                self._async_pool.submit(self._async_load, job)
+        if meta.settled or meta.cancel_loads:
+            with self._cv:
+                self._settled.update(r for r in meta.settled if r in self._active)
+                self._cancelled.update(r for r in meta.cancel_loads if r in self._active)
+                self._cv.notify_all()
+
     def _async_load(self, job: LoadJob) -> None:
+        """Copy each chunk into the engine as soon as it is in DRAM, in order; report the job finished."""
         errors: set[int] = set()
+        n_ok = 0
+        copy_s = 0.0
+        rid = job.req_id
         try:
             if not job.cancelled and self.kv is not None:
                 self.counters.inc("async_loads")
-                t0 = time.perf_counter()
-                stage = self._aload_stage.get(len(job.keys))
-                n_ok = self._fetch(job, stage)
-                errors = self._failed_blocks(job, n_ok)
-                for li in range(self.geo.num_layers):
-                    if n_ok:
-                        self.kv.scatter_layer(li, stage[:n_ok], job.block_ids[:n_ok], self.geo)
+                waiting = job.awaits_prefetch
+                for i, key in enumerate(job.keys):
+                    src_ok = False
+                    while True:
+                        with self._lock:
+                            if rid in self._cancelled:
+                                break
+                            settled = rid in self._settled
+                        with self.store.view([key]) as views:
+                            if views:
+                                t0 = time.perf_counter()
+                                self._scatter_all(chunk_tensor(views[0]), job.block_ids[i])
+                                copy_s += time.perf_counter() - t0
+                                src_ok = True
+                                break
+                        if waiting and not settled:
+                            with self._cv:  # the scheduler's process is reading it: look again soon
+                                self._cv.wait(POLL_S)
+                            continue
+                        stage = self._aload_stage.get(1)  # not coming (or evicted): read it here
+                        if self._get_into([key], stage):
+                            t0 = time.perf_counter()
+                            self._scatter_all(stage[0], job.block_ids[i])
+                            copy_s += time.perf_counter() - t0
+                            src_ok = True
+                        break
+                    if not src_ok:
+                        break
+                    n_ok += 1
+                cancelled = rid in self._cancelled
+                if n_ok < len(job.keys) and not cancelled:
+                    self._warn_once("short", "chunks missing or corrupt at load time; recomputing them")
+                    self.counters.inc("load_error_chunks", len(job.keys) - n_ok)
+                self.counters.inc("worker_loaded_chunks", n_ok)
+                errors = set() if cancelled else self._failed_blocks(job, n_ok)  # (finished: nothing to recompute)
                 with self._lock:
                     self._load_bytes += n_ok * self.geo.chunk_bytes
-                    self._load_seconds += time.perf_counter() - t0
+                    self._load_seconds += copy_s
         except BaseException as e:
             self._warn_once(type(e).__name__, f"async load failed ({e}); recomputing")
             errors = {b for ids in job.block_ids for b in ids if b >= 0}
-        with self._lock:
-            self._done_recv.append((job.req_id, errors))
+        with self._cv:
+            self._done_recv.append((rid, errors))
+            self._settled.discard(rid)
+            self._cancelled.discard(rid)
+            self._active.discard(rid)
+            self._async_inflight -= 1
+            self._cv.notify_all()
+
+    def _scatter_all(self, src: torch.Tensor, block_ids: Sequence[int]) -> None:
+        assert self.kv is not None and self.geo is not None
+        for li in range(self.geo.num_layers):
+            self.kv.scatter_chunk_layer(li, src, block_ids, self.geo)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         sync = self._sync
@@ -245,11 +349,19 @@ class WorkerSide:
             with self._lock:
                 self._errors |= sync.error_blocks
                 self._load_bytes += sync.nbytes
-                self._load_seconds += sync.seconds
+                self._load_seconds += sync.copy_seconds
+                self._disk_bytes += sync.disk_bytes
+                self._disk_s += sync.disk_seconds
         if not had_sync and meta.step_tokens:
             with self._lock:
                 self._step_tokens += meta.step_tokens
                 self._forward_s += time.perf_counter() - self._t_bind
+        elif not meta.step_tokens and not had_sync and not meta.saves:
+            # An empty step (nothing to compute): rather than let the engine spin, wait briefly for an async
+            # load to finish, so the reads get the CPU and the waiting request is reported at once.
+            with self._cv:
+                if self._async_inflight and not self._done_recv:
+                    self._cv.wait(IDLE_WAIT_S)
         for job in meta.saves:
             with self._lock:
                 self._saves_by_req.setdefault(job.req_id, set()).add(job.job_id)
@@ -261,7 +373,7 @@ class WorkerSide:
             if self.kv is None:
                 return
             stage = self._save_stage.get(len(job.keys))
-            self.kv.gather(job.block_ids, stage, self.geo)
+            self.kv.gather_into(job.block_ids, stage, self.geo)
             if stage.device.type != "cpu":
                 stage = stage.cpu()
             self._mark_saved(job)  # the blocks are no longer needed once their pages are copied out
@@ -311,11 +423,13 @@ class WorkerSide:
     def build_worker_meta(self) -> KVPrefetchWorkerMeta | None:
         with self._lock:
             m = KVPrefetchWorkerMeta(
-                self._saves_done, self._load_bytes, self._load_seconds, self._step_tokens, self._forward_s
+                self._saves_done, self._load_bytes, self._load_seconds, self._step_tokens, self._forward_s,
+                self._disk_bytes, self._disk_s,
             )
             self._saves_done = {}
             self._load_bytes, self._load_seconds, self._step_tokens, self._forward_s = 0, 0.0, 0, 0.0
-        if not (m.saves_done or m.load_bytes or m.step_tokens):
+            self._disk_bytes, self._disk_s = 0, 0.0
+        if not (m.saves_done or m.load_bytes or m.step_tokens or m.disk_bytes):
             return None
         return m
 
