@@ -11,10 +11,14 @@ import time
 from pathlib import Path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(below: int = 65536) -> int:
+    """A free loopback port under `below` (Redis Cluster also binds port + 10000 for its bus)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < below:
+            return port
 
 
 def wait_port(port: int, timeout: float = 20.0) -> None:
@@ -32,9 +36,10 @@ class RedisServer:
 
     def __init__(self, workdir: Path, *extra: str):
         self.exe = shutil.which("redis-server")
+        cluster = "--cluster-enabled" in extra
         if self.exe is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server; `make setup` does)")
-        self.port, self.workdir, self.extra = free_port(), workdir, extra
+        self.port, self.workdir, self.extra = free_port(below=55535 if cluster else 65536), workdir, extra
         self.proc: subprocess.Popen | None = None
         self.start()
 
