@@ -12,7 +12,6 @@ into it before anything starts, so every thread it creates is throttled there.
 from __future__ import annotations
 
 import contextlib
-import heapq
 import itertools
 import json
 import os
@@ -24,6 +23,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from kvprefetch.bench.sessions import SessionSchedule
 
 MARK = "@@KVB "
 
@@ -141,27 +142,13 @@ class Driver:
         eng = self.engine
         clock = time.perf_counter
         t0 = clock()
-        pending = sorted(range(len(sessions)), key=lambda i: (sessions[i]["arrival_s"], i))
-        pending.reverse()  # pop() from the end = earliest first
-        active = 0
-        due: list[tuple[float, int, int, int]] = []  # (arrival, seq, session, turn)
-        seq = 0
+        schedule = SessionSchedule(sessions, concurrency)
         recs: dict[str, dict] = {}
         live: set[str] = set()
         errors: list[str] = []
 
-        def start_sessions(now: float) -> None:
-            nonlocal active, seq
-            while pending and active < concurrency and sessions[pending[-1]]["arrival_s"] <= now:
-                i = pending.pop()
-                active += 1
-                heapq.heappush(due, (max(sessions[i]["arrival_s"], now), seq, i, 0))
-                seq += 1
-
         def submit(now: float) -> None:
-            nonlocal seq
-            while due and due[0][0] <= now:
-                arrival, _, i, k = heapq.heappop(due)
+            for arrival, i, k in schedule.pop_due(now):
                 turn = sessions[i]["turns"][k]
                 rid = f"{tag}-{sessions[i]['sid']}-t{k}"
                 recs[rid] = {
@@ -177,23 +164,15 @@ class Driver:
                     finish(rid, now)
 
         def finish(rid: str, now: float) -> None:
-            nonlocal active, seq
             rec = recs[rid]
             rec["finish"] = now
-            i, k = rec["session"], rec["turn"]
-            turns = sessions[i]["turns"]
-            if rec["error"] is None and k + 1 < len(turns):
-                heapq.heappush(due, (now + float(turns[k + 1].get("think_s", 0.0)), seq, i, k + 1))
-                seq += 1
-            else:
-                active -= 1
-                start_sessions(now)
+            schedule.turn_done(rec["session"], rec["turn"], now, ok=rec["error"] is None)
 
-        start_sessions(0.0)
+        schedule.start_sessions(0.0)
         deadline = t0 + timeout_s
-        while pending or due or live:
+        while schedule.waiting() or live:
             now = clock() - t0
-            start_sessions(now)
+            schedule.start_sessions(now)
             submit(now)
             if clock() > deadline:
                 for rid in list(live):
@@ -224,10 +203,8 @@ class Driver:
                         rec["cached_local"], rec["cached_external"] = local, ext
                         finish(rid, now)
             else:
-                nxt = [due[0][0]] if due else []
-                if pending and active < concurrency:
-                    nxt.append(sessions[pending[-1]]["arrival_s"])
-                wait = (min(nxt) - now) if nxt else 0.01
+                nxt = schedule.next_event_s()
+                wait = (nxt - now) if nxt is not None else 0.01
                 time.sleep(min(max(wait, 0.0), 0.05))
         wall = clock() - t0
         out = []

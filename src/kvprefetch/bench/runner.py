@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import heapq
 import json
 import math
 import os
@@ -45,6 +44,7 @@ from kvprefetch.bench.modes import (
     two_instance_caches,
 )
 from kvprefetch.bench.regime import DEFAULT_REGIME, make_throttle, measured_regime, target_bps
+from kvprefetch.bench.sessions import SessionSchedule
 from kvprefetch.bench.stats import cell_metrics
 from kvprefetch.bench.workloads import (
     BenchWorkload,
@@ -434,6 +434,28 @@ class Bench:
     def _count_chunks(self, d: Path) -> int:
         return sum(1 for _ in d.glob("??/*.kv"))
 
+    def _start_failed(self, mode: str, err: BaseException) -> None:
+        self.notes.append(f"{mode}: engine failed to start: {str(err)[:2000]}")
+        for c in self.o.concurrency:
+            self._add_row({"mode": mode, "concurrency": c, "status": "failed", "reason": "engine start failed"})
+
+    def _run_cells(self, mode: str, tps: float, where: str, cell: Callable[[int], tuple[dict, dict]]) -> None:
+        """One row per concurrency level: `cell(c)` runs it and returns (engine result, extra row fields);
+        an engine error fails that row only."""
+        for c in self.o.concurrency:
+            est = self._cell_estimate(mode, c, tps)
+            self.p.update(f"{mode} @ concurrency {c}: {self.workload.requests(c)} requests{where}")
+            try:
+                res, extra = cell(c)
+                row = {"mode": mode, "concurrency": c, "status": "ok"} | cell_metrics(res, self.o.chunk_tokens) | extra
+                with contextlib.suppress(OSError):
+                    row["loadavg_1m"] = os.getloadavg()[0]
+            except EngineError as err:
+                self.notes.append(f"{mode} @ {c}: {str(err)[:2000]}")
+                row = {"mode": mode, "concurrency": c, "status": "failed", "reason": str(err).splitlines()[0]}
+            self._add_row(row)
+            self.p.update(f"{mode} @ concurrency {c} done", est)
+
     def _add_row(self, row: dict) -> None:
         row = {"workload": self.workload.name, "regime": self.o.regime if self.o.regime is not None else "native"} | row
         self.rows.append(row)
@@ -469,9 +491,7 @@ class Bench:
                 if mode in REMOTE_MODES:
                     self._seed_remote(mode, eng, populated)
             except (EngineError, RuntimeError, OSError, TimeoutError) as err:
-                self.notes.append(f"{mode}: engine failed to start: {str(err)[:2000]}")
-                for c in o.concurrency:
-                    self._add_row({"mode": mode, "concurrency": c, "status": "failed", "reason": "engine start failed"})
+                self._start_failed(mode, err)
                 self.p.update(f"{mode}: failed", sum(self._cell_estimate(mode, c, tps) for c in o.concurrency))
                 return
             if mode == "dram":
@@ -483,21 +503,14 @@ class Bench:
                 self.p.update("lmcache: running the prelude in its own store")
                 eng.call("run", file=self.wfile, level="prelude", concurrency=max(o.concurrency), tag="prelude",
                          timeout_s=o.cell_timeout_s)  # fmt: skip
-            for c in o.concurrency:
-                est = self._cell_estimate(mode, c, tps)
-                self.p.update(f"{mode} @ concurrency {c}: {self.workload.requests(c)} requests")
-                try:
-                    eng.call("reset")
-                    res = eng.call("run", file=self.wfile, level=c, concurrency=c, tag=f"{mode}-c{c}",
-                                   timeout_s=o.cell_timeout_s, timeout=o.cell_timeout_s + 300)  # fmt: skip
-                    row = {"mode": mode, "concurrency": c, "status": "ok"} | cell_metrics(res, o.chunk_tokens)
-                    with contextlib.suppress(OSError):
-                        row["loadavg_1m"] = os.getloadavg()[0]
-                except EngineError as err:
-                    self.notes.append(f"{mode} @ {c}: {str(err)[:2000]}")
-                    row = {"mode": mode, "concurrency": c, "status": "failed", "reason": str(err).splitlines()[0]}
-                self._add_row(row)
-                self.p.update(f"{mode} @ concurrency {c} done", est)
+
+            def cell(c: int) -> tuple[dict, dict]:
+                eng.call("reset")
+                res = eng.call("run", file=self.wfile, level=c, concurrency=c, tag=f"{mode}-c{c}",
+                               timeout_s=o.cell_timeout_s, timeout=o.cell_timeout_s + 300)  # fmt: skip
+                return res, {}
+
+            self._run_cells(mode, tps, "", cell)
         finally:
             if eng is not None:
                 eng.close()
@@ -552,31 +565,20 @@ class Bench:
                                       cgroup=str(throttle.path) if throttle else None)  # fmt: skip
                     engines.append(self._start(f"{mode}-{e}", spec))
             except EngineError as err:
-                self.notes.append(f"{mode}: engine failed to start: {str(err)[:2000]}")
-                for c in o.concurrency:
-                    self._add_row({"mode": mode, "concurrency": c, "status": "failed", "reason": "engine start failed"})
+                self._start_failed(mode, err)
                 return
-            for c in o.concurrency:
-                est = self._cell_estimate(mode, c, tps)
-                self.p.update(f"{mode} @ concurrency {c}: {self.workload.requests(c)} requests on 2 engines")
-                try:
-                    for eng in engines:
-                        eng.call("reset")
-                    plan = [{"arrival_s": s.arrival_s, "turns": [{"think_s": t.think_s} for t in s.turns]}
-                            for s in self.workload.levels[c]]  # fmt: skip
-                    res = drive_alternating(engines, plan, c, o.cell_timeout_s, f"{mode}-c{c}", file=self.wfile,
-                                            level=c)  # fmt: skip
-                    row = {"mode": mode, "concurrency": c, "status": "ok"} | cell_metrics(res, o.chunk_tokens)
-                    row["engines"] = len(engines)
-                    row["requests_per_engine"] = [sum(1 for r in res["records"] if r.get("engine") == e)
-                                                  for e in range(len(engines))]  # fmt: skip
-                    with contextlib.suppress(OSError):
-                        row["loadavg_1m"] = os.getloadavg()[0]
-                except EngineError as err:
-                    self.notes.append(f"{mode} @ {c}: {str(err)[:2000]}")
-                    row = {"mode": mode, "concurrency": c, "status": "failed", "reason": str(err).splitlines()[0]}
-                self._add_row(row)
-                self.p.update(f"{mode} @ concurrency {c} done", est)
+
+            def cell(c: int) -> tuple[dict, dict]:
+                for eng in engines:
+                    eng.call("reset")
+                plan = [{"arrival_s": s.arrival_s, "turns": [{"think_s": t.think_s} for t in s.turns]}
+                        for s in self.workload.levels[c]]  # fmt: skip
+                res = drive_alternating(engines, plan, c, o.cell_timeout_s, f"{mode}-c{c}", file=self.wfile,
+                                        level=c)  # fmt: skip
+                per_engine = [sum(1 for r in res["records"] if r.get("engine") == e) for e in range(len(engines))]
+                return res, {"engines": len(engines), "requests_per_engine": per_engine}
+
+            self._run_cells(mode, tps, " on 2 engines", cell)
         finally:
             for eng in engines:
                 eng.close()
@@ -608,41 +610,23 @@ def drive_alternating(engines: list, sessions: list[dict], concurrency: int, tim
     t0 = clock()
     for eng in engines:
         eng.call("serve", file=file, level=level, tag=tag, t0=t0)
-    pending = sorted(range(len(sessions)), key=lambda i: (sessions[i]["arrival_s"], i), reverse=True)
-    due: list[tuple[float, int, int, int]] = []  # (arrival, seq, session, turn)
-    seq = 0
-    active = 0
+    schedule = SessionSchedule(sessions, concurrency)
     inflight = 0
     recs: list[dict] = []
     errors: list[str] = []
 
-    def start_sessions(now: float) -> None:
-        nonlocal active, seq
-        while pending and active < concurrency and sessions[pending[-1]]["arrival_s"] <= now:
-            i = pending.pop()
-            active += 1
-            heapq.heappush(due, (max(sessions[i]["arrival_s"], now), seq, i, 0))
-            seq += 1
-
     def on_done(rec: dict, now: float) -> None:
-        nonlocal active, seq, inflight
+        nonlocal inflight
         inflight -= 1
         i, k = int(rec.pop("session")), int(rec["turn"])
         recs.append(rec)
-        turns = sessions[i]["turns"]
-        if rec.get("error") is None and k + 1 < len(turns):
-            heapq.heappush(due, (now + float(turns[k + 1].get("think_s", 0.0)), seq, i, k + 1))
-            seq += 1
-        else:
-            active -= 1
-            start_sessions(now)
+        schedule.turn_done(i, k, now, ok=rec.get("error") is None)
 
     deadline = t0 + timeout_s
-    while pending or due or inflight:
+    while schedule.waiting() or inflight:
         now = clock() - t0
-        start_sessions(now)
-        while due and due[0][0] <= now:
-            arrival, _, i, k = heapq.heappop(due)
+        schedule.start_sessions(now)
+        for arrival, i, k in schedule.pop_due(now):
             e = route_turn(k, len(engines))
             engines[e].send("add", i=i, k=k, arrival=arrival)
             inflight += 1
