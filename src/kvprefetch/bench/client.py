@@ -68,12 +68,8 @@ class EngineProcess:
             return ""
 
     def call(self, op: str, timeout: float = 1800, **kw) -> dict:
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            raise EngineError(f"engine is gone; log tail:\n{self.tail()}") from None
+        """Send a command and wait for its answer."""
+        self.send(op, **kw)
         return self._wait(timeout)
 
     def send(self, op: str, **kw) -> None:
