@@ -86,14 +86,6 @@ class IOStats:
             else:
                 s.cancelled += 1
 
-    def read_bandwidth(self, tier: str) -> float | None:
-        """Measured bytes/s of completed reads on a tier (any class), or None before the first one."""
-        with self._lock:
-            parts = [s for (t, c), s in self._stats.items() if t == tier and c != "writeback" and s.seconds]
-            if not parts:
-                return None
-            return sum(s.bytes for s in parts) / sum(s.seconds for s in parts)
-
     def queue_depth(self, tier: str) -> int:
         with self._lock:
             return sum(s.queued + s.running for (t, _), s in self._stats.items() if t == tier)
