@@ -21,8 +21,8 @@ def main(disk: str, pool: str, seed: int) -> None:
     while True:
         keys = [rng.bytes(32) for _ in range(int(rng.integers(1, 4)))]
         store.put(keys, [payload(k) for k in keys]).result()
-        for k in keys:
-            print("ACK", k.hex(), flush=True)
+        sys.stdout.write("".join(f"ACK {k.hex()}\n" for k in keys))  # one write per acknowledgement batch
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from kvprefetch.tiers.dram import SHM_DIR
 from .conftest import CHUNK_BYTES, chunk_payload
 
 WRITER = Path(__file__).with_name("crash_writer.py")
+_ACK = re.compile(r"^ACK ([0-9a-f]{64})\n", re.MULTILINE)
 
 
 def _read_all_valid(disk: DiskTier) -> dict[bytes, np.ndarray]:
@@ -51,7 +53,8 @@ def test_sigkill_at_random_points_never_serves_torn_data_nor_loses_acked_chunks(
         out = first + proc.stdout.read()
         proc.wait()
         (SHM_DIR / f"kvprefetch-{pool}.pool").unlink(missing_ok=True)
-        acked |= {bytes.fromhex(line.split()[1]) for line in out.splitlines() if line.startswith("ACK")}
+        # a line cut short by the kill was never a whole acknowledgement: only complete lines count
+        acked |= {bytes.fromhex(m.group(1)) for m in _ACK.finditer(out)}
 
         disk = DiskTier(tmp_path, capacity_bytes=1 << 34)
         valid = _read_all_valid(disk)
