@@ -60,7 +60,7 @@ def iobench(
     size: Annotated[str, typer.Option(help="Bytes to write and read back.")] = "1GiB",
     chunk: Annotated[str, typer.Option(help="Chunk payload size.")] = "4MiB",
     threads: Annotated[int, typer.Option(min=1, max=256, help="Reads in flight for the parallel rows.")] = 4,
-    repeats: Annotated[int, typer.Option(min=1, max=20, help="Interleaved repetitions; medians reported.")] = 3,
+    repeats: Annotated[int, typer.Option(min=1, max=20, help="Interleaved repetitions; medians reported.")] = 5,
     fio: Annotated[bool, typer.Option("--fio/--no-fio", help="Measure the fio reference ceiling.")] = True,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
 ) -> None:
@@ -110,6 +110,7 @@ def _print_iobench(result, base: Path) -> None:
     row("fio sequential O_DIRECT read (best job, median)", fio)
     row("disk tier, one chunk at a time", result.serial_read_gbps)
     row(f"disk tier, parallel reads -> DRAM ({result.dram_backing})", result.parallel_read_gbps)
+    row("  same, read straight into the slots (no staging)", result.parallel_read_gbps_unstaged)
     row("disk tier, parallel reads -> DRAM (4 KiB pages)", result.parallel_read_gbps_4k_pages)
     row("demand loads into caller buffers", result.get_into_gbps)
     row("bare preadv into the pool's memory (no checks)", result.raw_pool_read_gbps)
@@ -117,6 +118,9 @@ def _print_iobench(result, base: Path) -> None:
     console.print(table)
     for run in result.fio_runs:
         console.print(f"  fio sweep: iodepth={run.iodepth:<3} iomem={run.iomem:<40} {run.gbps:.2f} GB/s")
+    sweep = ", ".join(f"{cap / 2**20:.0f} MiB: {gbps:.2f}" for cap, gbps in result.inflight_sweep.items())
+    console.print(f"  reads in flight (disk.read_inflight_bytes -> GB/s): {sweep}; best "
+                  f"{result.read_inflight_bytes / 2**20:.0f} MiB")  # fmt: skip
     ratio = result.parallel_over_fio
     console.print(
         f"parallel/serial = {result.parallel_over_serial:.2f}x"

@@ -70,6 +70,16 @@ class DiskConfig(_Section):
     capacity_bytes: PositiveBytes = ByteSize(32 << 30)
     direct_io: bool = Field(default=True, description="O_DIRECT where the file system allows it.")
     fsync: bool = Field(default=True, description="fsync each chunk before acknowledging it as durable.")
+    read_inflight_bytes: PositiveBytes = Field(
+        default=ByteSize(4 << 20),
+        description="Bytes of reads in flight at once (a read larger than this runs alone): 4 MiB was fastest on"
+        " the VMs we test on (see tiers/inflight.py); NVMe arrays want 32-128 MiB. `kvprefetch iobench` sweeps it.",
+    )
+    staging: Literal["auto", "off"] = Field(
+        default="auto",
+        description="auto: read into per-thread huge-page buffers, verify there, copy to the DRAM slot (faster on"
+        " VMs, see tiers/staging.py) when the node has free huge pages; off: read straight into the slot.",
+    )
 
     @field_validator("path")
     @classmethod

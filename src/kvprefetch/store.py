@@ -29,6 +29,7 @@ from kvprefetch.tiers.chunk_format import HEADER_BYTES, CorruptChunk, image_byte
 from kvprefetch.tiers.disk import ChunkMissing, DiskTier, aligned_buffer
 from kvprefetch.tiers.dram import SHM_DIR, SharedChunkPool, pool_directory
 from kvprefetch.tiers.remote import RemoteRejected, RemoteTier, open_backend
+from kvprefetch.tiers.staging import StagingBuffers
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,10 @@ class TieredStore:
         self.disk: DiskTier | None = None
         if config.disk_enabled:
             d = config.disk
-            self.disk = DiskTier(d.path, int(d.capacity_bytes), direct_io=d.direct_io, fsync=d.fsync)
+            staging = StagingBuffers(self.image_bytes, config.io.threads) if d.staging == "auto" else None
+            self.disk = DiskTier(
+                d.path, int(d.capacity_bytes), d.direct_io, d.fsync, staging, int(d.read_inflight_bytes)
+            )
         self.remote: RemoteTier | None = None
         if config.remote_enabled:
             r = config.remote
@@ -529,6 +533,8 @@ class TieredStore:
         if self.remote is not None:
             self.remote.close()
         self.dram.close()
+        if self.disk is not None and self.disk.staging is not None:
+            self.disk.staging.close()
 
     def __enter__(self) -> TieredStore:
         return self

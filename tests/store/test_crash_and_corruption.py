@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvprefetch.bench.hugepages import reserved_huge_pages
 from kvprefetch.tiers.chunk_format import CorruptChunk
 from kvprefetch.tiers.disk import DiskFullError, DiskTier
 from kvprefetch.tiers.dram import SHM_DIR
@@ -66,8 +67,19 @@ def test_sigkill_at_random_points_never_serves_torn_data_nor_loses_acked_chunks(
 
 
 @pytest.fixture
-def disk_with_chunks(open_store, keyer):
-    store = open_store()
+def huge_pages_reserved():
+    with reserved_huge_pages(32 << 20) as ok:
+        yield ok
+
+
+@pytest.fixture(params=["direct", "staged"])
+def disk_with_chunks(request, open_store, keyer):
+    """Chunks on disk only, read either straight into DRAM slots or through huge-page staging buffers."""
+    if request.param == "staged":
+        reserved = request.getfixturevalue("huge_pages_reserved")
+        if not reserved:
+            pytest.skip("no huge pages here (needs root to reserve them)")
+    store = open_store(disk={"staging": "auto" if request.param == "staged" else "off"})
     keys = keyer.keys(range(16 * 4))
     store.put(keys, [chunk_payload(k) for k in keys]).result(30)
     for k in keys:
@@ -84,6 +96,8 @@ def _assert_reads_as_miss_and_is_removed(store, keys, damaged):
     assert not store.disk.path_of(damaged).exists(), "damaged file must be removed"
     assert store.lookup(keys).num_hit_chunks == idx
     assert store.stats()["store"]["load_errors"] == 1
+    if store.disk.staging is not None:
+        assert store.disk.staging.reads_staged > 0, "the staged read path must have been the one tested"
 
 
 def test_a_flipped_payload_byte_is_a_miss(disk_with_chunks):

@@ -27,6 +27,7 @@ from kvprefetch.config import StoreConfig
 from kvprefetch.store import TieredStore
 from kvprefetch.tiers.chunk_format import image_bytes
 from kvprefetch.tiers.dram import hugetlbfs_mount
+from kvprefetch.tiers.inflight import InflightBytes
 
 
 @dataclass
@@ -37,12 +38,15 @@ class IOBenchResult:
     fio_read_gbps: float | None
     serial_read_gbps: float
     parallel_read_gbps: float
+    parallel_read_gbps_unstaged: float | None
+    read_inflight_bytes: int
     parallel_read_gbps_4k_pages: float | None
     get_into_gbps: float
     raw_pool_read_gbps: float
     write_gbps: float
     dram_backing: str
     fio_runs: list[FioRun] = field(default_factory=list)
+    inflight_sweep: dict[int, float] = field(default_factory=dict)
 
     @property
     def parallel_over_fio(self) -> float | None:
@@ -68,7 +72,7 @@ def run_iobench(
     total_bytes: int = 1 << 30,
     chunk_bytes: int = 4 << 20,
     threads: int = 4,
-    repeats: int = 3,
+    repeats: int = 5,
     use_fio: bool = True,
     progress: Progress = lambda label, fraction: None,
 ) -> IOBenchResult:
@@ -88,8 +92,10 @@ def run_iobench(
     fio_runs: list[FioRun] = []
     fio_medians: list[float] = []
     parallel_runs: list[float] = []
+    unstaged_runs: list[float] = []
     try:
-        with huge_page_pool(pool_bytes + 64 * chunk_bytes) as huge_dir:
+        staging_bytes = threads * (image_bytes(chunk_bytes) + (2 << 20))
+        with huge_page_pool(pool_bytes + 64 * chunk_bytes + staging_bytes) as huge_dir:
             backing = "hugetlbfs" if huge_dir else "shm"
             progress("write-back", 0.0)
             store = _store(data_dir, chunk_bytes, threads, pool_bytes, backing)
@@ -101,13 +107,20 @@ def run_iobench(
                     memories = ["malloc"] + ([f"mmaphuge:{huge_dir}/fio-buffer", "shmhuge"] if huge_dir else [])
                     fio_runs = fio.sweep((1, 4, 16), memories)
                     best = max(fio_runs, key=lambda r: r.gbps)
-                progress("serial reads", 0.5)
+                progress("serial reads", 0.45)
                 serial = _median(repeats, lambda: _read_all(store, keys, parallel=False))
+                progress("parallel reads: sweeping reads in flight", 0.5)
+                sweep = _sweep_inflight(store, keys, threads)
+                inflight = max(sweep, key=sweep.get)
+                _set_inflight(store, inflight)
                 for i in range(repeats):
                     progress(f"parallel reads vs fio, round {i + 1}/{repeats}", 0.6 + 0.25 * i / repeats)
                     parallel_runs.append(_read_all(store, keys, parallel=True))
                     if fio is not None:
                         fio_medians.append(fio.read(best.iodepth, best.iomem).gbps)
+                    if store.disk.staging is not None:
+                        with _unstaged(store):
+                            unstaged_runs.append(_read_all(store, keys, parallel=True))
                 progress("demand loads into caller memory", 0.8)
                 get_into = _median(repeats, lambda: _get_into_all(store, keys, chunk_bytes))
                 progress("raw preadv into the pool's memory", 0.85)
@@ -136,12 +149,15 @@ def run_iobench(
         fio_read_gbps=statistics.median(fio_medians) if fio_medians else None,
         serial_read_gbps=serial,
         parallel_read_gbps=statistics.median(parallel_runs),
+        parallel_read_gbps_unstaged=statistics.median(unstaged_runs) if unstaged_runs else None,
         parallel_read_gbps_4k_pages=parallel_4k,
         get_into_gbps=get_into,
         raw_pool_read_gbps=raw_pool,
         write_gbps=write_gbps,
         dram_backing=backing,
         fio_runs=fio_runs,
+        read_inflight_bytes=inflight,
+        inflight_sweep=sweep,
     )
 
 
@@ -157,6 +173,32 @@ def _store(data_dir: Path, chunk_bytes: int, threads: int, pool_bytes: int, back
 def _close(store: TieredStore) -> None:
     store.close()
     store.dram.destroy()
+
+
+def _sweep_inflight(store: TieredStore, keys: list[bytes], threads: int) -> dict[int, float]:
+    """Parallel read rate per cap on bytes in flight (1, 2, ... `threads` chunk reads), as fio sweeps depths."""
+    caps = sorted({store.image_bytes * n for n in (1, 2, 4, threads) if n <= threads})
+    rates: dict[int, float] = {}
+    for cap in caps:
+        _set_inflight(store, cap)
+        rates[cap] = _read_all(store, keys, parallel=True)
+    return rates
+
+
+def _set_inflight(store: TieredStore, nbytes: int) -> None:
+    assert store.disk is not None
+    store.disk.read_gate = InflightBytes(nbytes)
+
+
+@contextlib.contextmanager
+def _unstaged(store: TieredStore):
+    """Reads straight into the DRAM slots, for the side-by-side row (see tiers/staging.py)."""
+    assert store.disk is not None
+    staging, store.disk.staging = store.disk.staging, None
+    try:
+        yield
+    finally:
+        store.disk.staging = staging
 
 
 def _median(repeats: int, measure: Callable[[], float]) -> float:

@@ -20,8 +20,19 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from kvprefetch.tiers.chunk_format import ALIGN, HEADER_BYTES, CorruptChunk, image_bytes, verify_image
+import numpy as np
+
+from kvprefetch.tiers.chunk_format import (
+    ALIGN,
+    HEADER_BYTES,
+    ChunkHeader,
+    CorruptChunk,
+    image_bytes,
+    verify_image,
+)
 from kvprefetch.tiers.dram import pid_alive
+from kvprefetch.tiers.inflight import InflightBytes
+from kvprefetch.tiers.staging import StagingBuffers
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +57,18 @@ def aligned_buffer(nbytes: int) -> memoryview:
 class DiskTier:
     """Chunks as files under root/<first byte>/<key>.kv, with an LRU index and a byte capacity."""
 
-    def __init__(self, root: str | os.PathLike, capacity_bytes: int, direct_io: bool = True, fsync: bool = True):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        capacity_bytes: int,
+        direct_io: bool = True,
+        fsync: bool = True,
+        staging: StagingBuffers | None = None,
+        read_inflight_bytes: int | None = None,
+    ):
         self.root = Path(root)
+        self.staging = staging
+        self.read_gate = InflightBytes(read_inflight_bytes) if read_inflight_bytes else None
         self.capacity_bytes = int(capacity_bytes)
         self.direct_io = direct_io and hasattr(os, "O_DIRECT")
         self.fsync = fsync
@@ -160,10 +181,7 @@ class DiskTier:
             size = os.fstat(fd).st_size
             if size > len(image):
                 raise CorruptChunk(f"file of {size} B larger than the {len(image)} B buffer")
-            got = self._read_full(fd, image[:size])
-            if got != size:
-                raise CorruptChunk(f"short read: {got} of {size} bytes")
-            header = verify_image(image[:size], key, verify_payload=verify)
+            header = self._read_verified(fd, image[:size], key, verify)
         except CorruptChunk as err:
             self._forget(key)
             self._remove(path, "corrupt", str(err))
@@ -172,6 +190,27 @@ class DiskTier:
             os.close(fd)
         self._touch(key)
         return header.payload_nbytes
+
+    def _read_verified(self, fd: int, dst: memoryview, key: bytes, verify: bool) -> ChunkHeader:
+        """Read the whole file into dst, through a staging buffer when there is one, and verify it.
+
+        The staging buffer is taken once the read is admitted, so the read lands in the most recently used
+        (hottest) buffer, and the next read is admitted as soon as this one is off the device: verification
+        and the copy into dst overlap it.
+        """
+        with contextlib.ExitStack() as held:
+            gate = held.enter_context(contextlib.ExitStack())
+            if self.read_gate is not None:
+                gate.enter_context(self.read_gate.admit(len(dst)))
+            staged = held.enter_context(self.staging.lend(len(dst))) if self.staging is not None else None
+            got = self._read_full(fd, dst if staged is None else staged)
+            gate.close()
+            if got != len(dst):
+                raise CorruptChunk(f"short read: {got} of {len(dst)} bytes")
+            header = verify_image(dst if staged is None else staged, key, verify_payload=verify)
+            if staged is not None:
+                np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(staged, np.uint8))
+            return header
 
     def _read_full(self, fd: int, dst: memoryview) -> int:
         done = 0

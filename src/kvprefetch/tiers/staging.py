@@ -1,0 +1,85 @@
+"""Huge-page staging buffers for disk reads.
+
+Why: on a virtualised block device the host copies each read into guest memory, and that copy runs fastest
+into a small, reused (cache-hot) buffer backed by huge pages. Reading a chunk into such a buffer, verifying it
+there while it is hot and then copying it into its DRAM slot measured 10-15% faster here than reading straight
+into a pool-sized footprint (`kvprefetch iobench`, rows "staged" vs "direct"). Staging buffers on 4 KiB pages
+were slower than no staging, so without free huge pages there is none and reads go straight to the slot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Iterator
+
+from kvprefetch.tiers.chunk_format import align_up
+
+log = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20
+
+
+class StagingBuffers:
+    """Up to `max_buffers` huge-page buffers of `nbytes`, lent one per read, most recently returned first."""
+
+    def __init__(self, nbytes: int, max_buffers: int):
+        self.nbytes = align_up(nbytes, HUGE_PAGE)
+        self.max_buffers = max_buffers
+        self._lock = threading.Lock()
+        self._free: list[memoryview] = []
+        self._maps: list[mmap.mmap] = []
+        self.available = hasattr(os, "MFD_HUGETLB")
+        self.reads_staged = 0
+
+    def _allocate(self) -> memoryview | None:
+        """A new huge-page buffer, or None (and staging off for good) when the node has no free huge pages."""
+        try:
+            fd = os.memfd_create("kvprefetch-staging", os.MFD_HUGETLB)
+            try:
+                os.ftruncate(fd, self.nbytes)
+                buf = mmap.mmap(fd, self.nbytes)  # a shared hugetlb mapping reserves its pages here, or fails
+            finally:
+                os.close(fd)
+        except OSError as err:
+            self.available = False
+            log.info("kvprefetch: no huge pages for read staging (%s); disk reads go straight to DRAM slots", err)
+            return None
+        view = memoryview(buf)
+        for offset in range(0, self.nbytes, HUGE_PAGE):  # fault the pages in now, not on the first read
+            view[offset] = 0
+        self._maps.append(buf)
+        return view
+
+    @contextlib.contextmanager
+    def lend(self, nbytes: int) -> Iterator[memoryview | None]:
+        """A staging buffer of at least nbytes for one read, or None: then read straight into the destination."""
+        buf = None
+        if self.available and nbytes <= self.nbytes:
+            with self._lock:
+                if self._free:
+                    buf = self._free.pop()
+                elif len(self._maps) < self.max_buffers:
+                    buf = self._allocate()
+        if buf is not None:
+            self.reads_staged += 1
+        try:
+            yield None if buf is None else buf[:nbytes]
+        finally:
+            if buf is not None:
+                with self._lock:
+                    self._free.append(buf)
+
+    def close(self) -> None:
+        with self._lock:
+            for view in self._free:
+                view.release()
+            self._free.clear()
+            for buf in self._maps:
+                with contextlib.suppress(BufferError):
+                    buf.close()
+            self._maps.clear()
+            self.available = False
