@@ -10,7 +10,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvprefetch.sim.calibration import EXAMPLE, predict_bench_ttft
 from kvprefetch.sim.catalog import ACCELERATORS, MODELS
 from kvprefetch.sim.costs import Deployment
 from kvprefetch.sim.engine import SimConfig, simulate
@@ -150,14 +149,3 @@ def test_mooncake_hit_ratio_and_full_trace_speed():
     )
     assert res.requests == 3993
     assert time.perf_counter() - started < 60
-
-
-def test_calibration_predicts_every_mode():
-    pred = predict_bench_ttft(
-        EXAMPLE,
-        ["recompute", "ondemand-sync", "prefetch", "dram"],
-        [2, 4],
-        ChatWorkload(sessions=6, turns=2, first_user_tokens=1500, user_tokens=200, output_tokens=16, think_s=0.5),
-    )
-    assert len(pred) == 8 and all(v > 0 for v in pred.values())
-    assert pred[("recompute", 4)] > pred[("dram", 4)]

@@ -24,6 +24,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvprefetch.bench.sessions import SessionSchedule
 
 MARK = "@@KVB "
@@ -224,19 +226,39 @@ def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
 
 
 def calibrate(driver: Driver, prompt_tokens: int, repeats: int, decode_tokens: int, vocab: int) -> dict:
-    """Prefill speed on fresh prompts (one at a time) and the decode step, on this engine.
+    """Prefill and decode speeds of this engine, as the simulator's calibration needs them.
+
+    - prefill of a fresh prompt, alone (``prefill_tokens_per_s``);
+    - prefill of 256 new tokens on that prompt, now in the engine's prefix cache (``extend_s``): with the first,
+      it separates the per-token cost from the attention cost;
+    - the time to first token of a 16-token prompt (``request_floor_s``): the per-request cost outside the model;
+    - one decode step of a short sequence alone (``decode_step_s``), and of four long ones together
+      (``decode_batch_step_s``): their difference is the time to read the batch's KV.
 
     The fastest sample is the estimate: on a shared machine other processes only ever slow a sample down, and
     the CPU time they took during the calibration is reported next to it (``foreign_cpu_cores``).
     """
     cpu0 = CpuMeter()
-    speeds = []
+    speeds, extends = [], []
+    extend_tokens = 256
     for k in range(repeats):
-        s = {"sid": f"cal{k}", "arrival_s": 0.0, "turns": [{"tokens": random_prompt(prompt_tokens, vocab, 1000 + k),
-                                                            "max_tokens": 1}]}  # fmt: skip
+        prompt = random_prompt(prompt_tokens, vocab, 1000 + k)
+        s = {"sid": f"cal{k}", "arrival_s": 0.0, "turns": [{"tokens": prompt, "max_tokens": 1}]}
         r = driver.run([s], 1, 600, f"cal{k}")["records"][0]
         if r["first_token"] is not None:
             speeds.append(prompt_tokens / (r["first_token"] - r["arrival"]))
+        more = prompt + random_prompt(extend_tokens, vocab, 2000 + k)
+        e = {"sid": f"ext{k}", "arrival_s": 0.0, "turns": [{"tokens": more, "max_tokens": 1}]}
+        r = driver.run([e], 1, 600, f"ext{k}")["records"][0]
+        if r["first_token"] is not None:
+            extends.append(r["first_token"] - r["arrival"])
+    floors = []
+    for k in range(repeats):
+        f = {"sid": f"floor{k}", "arrival_s": 0.0, "turns": [{"tokens": random_prompt(16, vocab, 4000 + k),
+                                                              "max_tokens": 1}]}  # fmt: skip
+        r = driver.run([f], 1, 600, f"floor{k}")["records"][0]
+        if r["first_token"] is not None:
+            floors.append(r["first_token"] - r["arrival"])
     steps = []
     for k in range(2):
         d = {"sid": f"dec{k}", "arrival_s": 0.0,
@@ -244,12 +266,36 @@ def calibrate(driver: Driver, prompt_tokens: int, repeats: int, decode_tokens: i
         itl = sorted(driver.run([d], 1, 600, f"dec{k}")["records"][0]["itl"])
         if itl:
             steps.append(itl[len(itl) // 2])
+    batch = 4
+    long = [{"sid": f"decb{k}", "arrival_s": 0.0,
+             "turns": [{"tokens": random_prompt(prompt_tokens, vocab, 3000 + k), "max_tokens": decode_tokens}]}
+            for k in range(batch)]  # fmt: skip
+    recs = driver.run(long, batch, 600, "decb")["records"]
+    # steps after every sequence's prefill: the whole batch decoding together
+    start = max((r["first_token"] or 0.0) for r in recs)
+    batch_itl = sorted(
+        x
+        for r in recs
+        if r["first_token"] is not None
+        for x, end in zip(r["itl"], r["first_token"] + np.cumsum(r["itl"]), strict=True)
+        if end - x >= start
+    )
     return {
         "prefill_tokens_per_s": max(speeds) if speeds else None,
         "prefill_samples": speeds,
         "prompt_tokens": prompt_tokens,
+        "extend_tokens": extend_tokens,
+        "extend_offset": prompt_tokens,
+        "extend_s": min(extends) if extends else None,
+        "extend_samples": extends,
+        "request_floor_s": min(floors) if floors else None,
+        "request_floor_samples": floors,
         "decode_step_s": min(steps) if steps else None,
         "decode_step_samples": steps,
+        "decode_step_ctx": 256,
+        "decode_batch": batch,
+        "decode_batch_ctx": prompt_tokens,
+        "decode_batch_step_s": batch_itl[len(batch_itl) // 2] if batch_itl else None,
         "foreign_cpu_cores": cpu0.foreign_cores(),
     }
 

@@ -669,41 +669,14 @@ def drive_alternating(engines: list, sessions: list[dict], concurrency: int, tim
 
 
 def simulator_prediction(results: dict) -> list[dict]:
-    """TTFT p50 per mode and concurrency predicted by the simulator calibrated from this run (chat only)."""
+    """TTFT p50 per mode and concurrency predicted by the simulator calibrated from this run."""
     try:
-        from kvprefetch.sim.calibration import BENCH_MODES, Calibration, predict_bench_ttft
-        from kvprefetch.workload.synthetic import ChatWorkload
+        from kvprefetch.sim.calibration import calibration_from_results, predict_bench
 
-        reg = results["regime"]
-        w = results["workload"]
-        if w.get("kind") != "chat" or not reg.get("read_bps") or not reg.get("decode_step_s"):
+        if not results["regime"].get("read_bps") or not results["regime"].get("decode_step_s"):
             return []
-        cal = Calibration(
-            prefill_tokens_per_s=float(reg["prefill_tokens_per_s"]),
-            decode_step_s=float(reg["decode_step_s"]),
-            disk_read_gbps=float(reg["read_bps"]) / 1e9,
-            chunk_bytes=int(reg["chunk_bytes"]),
-            chunk_tokens=int(reg["chunk_tokens"]),
-            token_budget=int(results["config"]["max_num_batched_tokens"]),
-        )
-        rows = [r for r in results["rows"] if r.get("status") == "ok"]
-        modes = sorted({r["mode"] for r in rows} & set(BENCH_MODES))
-        levels = sorted({r["concurrency"] for r in rows})
-        if not modes:
-            return []
-        out = []
-        for c in levels:
-            spec = ChatWorkload(
-                sessions=w["sessions_per_level"][str(c)],
-                turns=w["measured_turns"] + 1, system_tokens=w["system_tokens"],
-                first_user_tokens=w["history_tokens"], user_tokens=w["user_tokens"],
-                output_tokens=w["output_tokens"], think_s=w["think_s"], jitter=w["jitter"], seed=w["seed"],
-            )  # fmt: skip
-            pred = predict_bench_ttft(cal, modes, [c], spec)
-            for m in modes:
-                meas = next((r["ttft_p50_s"] for r in rows if r["mode"] == m and r["concurrency"] == c), None)
-                out.append({"mode": m, "concurrency": c, "predicted": pred[(m, c)], "measured": meas})
-        results["calibration"] = asdict(cal)
+        out = predict_bench(results)
+        results["calibration"] = asdict(calibration_from_results(results))
         return out
     except Exception as err:  # the prediction is a side show; never fail the run over it
         results.setdefault("notes", []).append(f"simulator prediction skipped: {type(err).__name__}: {err}")

@@ -1,23 +1,30 @@
-"""'This CPU' as an accelerator, from a few numbers `kvprefetch bench` can measure, and the benchmark's
-TTFT p50 per mode and concurrency predicted from them.
+"""The simulator against our own benchmark: 'this CPU' calibrated from a `kvprefetch bench` run, and that
+run's exact sessions replayed on it, mode by mode, to predict each cell's TTFT p50.
 
-Not wired to the benchmark yet (it does not exist at the time of writing): it will write a calibration
-JSON like `EXAMPLE`, and its report will call `predict_bench_ttft` to print predicted vs measured.
+What the calibration takes from the run (all measured by the bench before any mode runs): prefill time of a
+fresh prompt and of new tokens on a cached prefix (together they separate the per-token cost from the
+attention cost), one decode step, the throttled disk read rate, and the engine's own sizes (KV capacity,
+max_num_seqs, token budget). What the replay takes: the same sessions, turns, think times and the prelude
+that populated the disk tier, rebuilt from the run's declared workload; chunks are identified by chained
+hashes of their tokens, exactly as the store keys them. Nothing is fitted to the TTFTs it predicts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kvprefetch.sim.catalog import MODELS, Accelerator, Model
+import numpy as np
+import xxhash
+
+from kvprefetch.sim.catalog import MODELS, Accelerator
 from kvprefetch.sim.costs import Deployment
 from kvprefetch.sim.engine import SimConfig, simulate
 from kvprefetch.sim.policy import Policy
 from kvprefetch.sim.tiers import TierSpec
-from kvprefetch.workload.request import Request
-from kvprefetch.workload.synthetic import ChatWorkload, generate_chat
+from kvprefetch.workload.request import Request, TokenRecipe
 
 BENCH_MODES: dict[str, Policy] = {
     "recompute": Policy.RECOMPUTE,
@@ -30,75 +37,234 @@ BENCH_MODES: dict[str, Policy] = {
 
 @dataclass(frozen=True)
 class Calibration:
-    """Measured on the machine itself: prefill speed, one decode step, disk read speed, chunk geometry."""
+    """Measured on the machine itself by `kvprefetch bench` (the run's calibration.json)."""
 
-    prefill_tokens_per_s: float
+    prefill_tokens_per_s: float  # a fresh prompt of `prompt_tokens`, alone
     decode_step_s: float
     disk_read_gbps: float
     chunk_bytes: int
     chunk_tokens: int
-    model: str = "dummy-llama"
+    model: str = "tiny-llama"
     token_budget: int = 2048
+    prompt_tokens: int = 3541
+    extend_tokens: int | None = None  # new tokens prefilled on a cached prefix of `extend_offset` tokens ...
+    extend_offset: int | None = None
+    extend_s: float | None = None  # ... in this many seconds
+    decode_step_ctx: int = 256  # context of the decode_step_s sample
+    request_floor_s: float | None = None  # time to first token of a 16-token prompt: front end + one step
+    decode_batch: int | None = None  # this many sequences of decode_batch_ctx tokens decoding together ...
+    decode_batch_ctx: int | None = None
+    decode_batch_step_s: float | None = None  # ... take this long per step
+    engine_kv_tokens: int | None = None
+    max_num_seqs: int = 256
+    dram_bytes: int | None = None
+    host_copy_gbps: float = 8.0  # DRAM pool -> engine KV; a memcpy on the CPU backend (estimate)
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
-        return cls(**json.loads(Path(path).read_text()))
+        data = json.loads(Path(path).read_text())
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
-EXAMPLE = Calibration(
-    prefill_tokens_per_s=2000.0,
-    decode_step_s=0.02,
-    disk_read_gbps=1.5,
-    chunk_bytes=16384 * 256,
-    chunk_tokens=256,
-)
-"""Shape of the JSON the benchmark will write; the numbers are placeholders, not measurements."""
+def request_overhead(cal: Calibration, step_overhead: float) -> float:
+    """Front-end latency per request: the floor sample less its one (tiny) engine step."""
+    if not cal.request_floor_s:
+        return 0.0
+    return max(0.0, cal.request_floor_s - step_overhead)
+
+
+def _chunked_prefill(budget: int, offset: int, tokens: int) -> tuple[int, float, float]:
+    """(steps, pairs among new tokens, pairs against cached KV) of prefilling `tokens` after `offset` cached
+    ones in budget-sized chunks."""
+    steps, fresh, cached, done = 0, 0.0, 0.0, 0
+    while done < tokens:
+        n = min(budget, tokens - done)
+        fresh += n * n / 2.0
+        cached += n * (offset + done)
+        steps += 1
+        done += n
+    return steps, fresh, cached
 
 
 def cpu_deployment(cal: Calibration) -> Deployment:
-    """A deployment whose roofline reproduces the measured prefill speed and decode step time."""
-    base = MODELS[cal.model]
-    model: Model = replace(base, kv_bytes_per_token_override=cal.chunk_bytes / cal.chunk_tokens)
-    flops = cal.prefill_tokens_per_s * 2.0 * model.active_params
+    """A deployment whose step times reproduce the measured prefills (fresh, and on a cached prefix) and decodes.
+
+    Step time = overhead + max(compute, memory). Compute = (linear FLOPs + attention among new tokens) / F +
+    attention against cached KV / (F * attention efficiency): F and that efficiency come from the two prefill
+    samples (a fresh prompt is mostly the first kind, new tokens on a long prefix mostly the second). Memory =
+    weights + the KV the step reads, at a bandwidth from the two decode samples (a long batch minus a short
+    single sequence: the difference is KV read); the overhead is what is left of the short decode step.
+    """
+    model = replace(MODELS[cal.model], kv_bytes_per_token_override=cal.chunk_bytes / cal.chunk_tokens)
+    per_token = 2.0 * model.active_params
+    per_pair = 4.0 * model.layers * model.heads * model.head_dim
+    weights = model.dense_params * model.weight_bytes
+    kv_per_token = model.kv_bytes_per_token
+    overhead, bandwidth = cal.decode_step_s, float("inf")
+    x = y = 0.0  # seconds per FLOP: linear and among new tokens; against cached KV
+    for _ in range(5):  # the overhead and the compute rates depend on each other; this settles in a few rounds
+        floor = request_overhead(cal, overhead)
+        steps_c, fresh_c, cached_c = _chunked_prefill(cal.token_budget, 0, cal.prompt_tokens)
+        t_cold = cal.prompt_tokens / cal.prefill_tokens_per_s - steps_c * overhead - floor
+        x = y = t_cold / (per_token * cal.prompt_tokens + per_pair * (fresh_c + cached_c))
+        if cal.extend_s and cal.extend_tokens and cal.extend_offset is not None:
+            steps_e, fresh_e, cached_e = _chunked_prefill(cal.token_budget, cal.extend_offset, cal.extend_tokens)
+            t_ext = cal.extend_s - steps_e * overhead - floor
+            a = np.array([[per_token * cal.prompt_tokens + per_pair * fresh_c, per_pair * cached_c],
+                          [per_token * cal.extend_tokens + per_pair * fresh_e, per_pair * cached_e]])  # fmt: skip
+            xs, ys = np.linalg.solve(a, [t_cold, t_ext])
+            if xs > 0 and ys > 0:  # else noise made the two samples inconsistent: one rate for both
+                x, y = xs, ys
+        mem_short = weights + cal.decode_step_ctx * kv_per_token
+        if cal.decode_batch_step_s and cal.decode_batch and cal.decode_batch_ctx:
+            mem_batch = weights + cal.decode_batch * cal.decode_batch_ctx * kv_per_token
+            extra = cal.decode_batch_step_s - cal.decode_step_s
+            if extra > 0:
+                bandwidth = (mem_batch - mem_short) / extra
+        compute_short = per_token * x + per_pair * cal.decode_step_ctx * y
+        overhead = max(0.0, cal.decode_step_s - max(compute_short, mem_short / bandwidth))
     cpu = Accelerator(
         "this-cpu",
-        flops=flops,
+        flops=1.0 / x,
         hbm_bytes=64e9,
-        hbm_bw=1e15,
-        host_link_bw=20e9,
-        step_overhead_s=cal.decode_step_s,
-        source="measured by kvprefetch bench (calibration JSON)",
+        hbm_bw=bandwidth if np.isfinite(bandwidth) else 1e15,
+        host_link_bw=cal.host_copy_gbps * 1e9,
+        step_overhead_s=overhead,
+        source="measured by kvprefetch bench (calibration.json)",
     )
-    return Deployment(model, cpu, tp=1, efficiency=1.0, token_budget=cal.token_budget)
+    return Deployment(
+        model,
+        cpu,
+        tp=1,
+        efficiency=1.0,
+        mem_efficiency=1.0,
+        token_budget=cal.token_budget,
+        max_seqs=cal.max_num_seqs,
+        attention_efficiency=x / y,
+        kv_capacity_tokens_override=cal.engine_kv_tokens,
+    )
 
 
-def predict_bench_ttft(
-    cal: Calibration,
-    modes: list[str],
-    concurrencies: list[int],
-    workload: ChatWorkload | None = None,
+# ---- the bench's workload, as simulator requests -----------------------------------------------------------
+def chunk_ids(tokens: list[int], chunk_tokens: int) -> tuple[int, ...]:
+    """Chained ids of the full chunks: equal ids mean an equal whole prefix, as the store's keys do."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    ids, prev = [], 0
+    for i in range(len(arr) // chunk_tokens):
+        prev = xxhash.xxh3_64_intdigest(
+            prev.to_bytes(8, "little") + arr[i * chunk_tokens : (i + 1) * chunk_tokens].tobytes()
+        )
+        ids.append(prev)
+    return tuple(ids)
+
+
+def level_requests(sessions: list, chunk_tokens: int) -> list[Request]:
+    """One bench level's sessions (closed loop: session order, turns after their think time)."""
+    recipe = TokenRecipe("session", 0, chunk_tokens)
+    out = []
+    for sid, session in enumerate(sessions):
+        for k, turn in enumerate(session.turns):
+            out.append(
+                Request(
+                    arrival_s=float(session.arrival_s) if k == 0 else 0.0,
+                    session_id=sid,
+                    turn=k,
+                    input_len=len(turn.tokens),
+                    output_len=max(1, int(turn.max_tokens)),
+                    hash_ids=chunk_ids(turn.tokens, chunk_tokens),
+                    recipe=recipe,
+                    think_s=float(turn.think_s) if k else 0.0,
+                )
+            )
+    return out
+
+
+def rebuild_workload(results: dict):
+    """The run's BenchWorkload, regenerated from what it declared (the generators are deterministic)."""
+    from kvprefetch.bench.workloads import ChatBench, TraceBench, chat_workload, trace_workload
+
+    declared = results["workload"]
+    kind = declared.get("kind", "chat")
+    spec_cls, build = (ChatBench, chat_workload) if kind == "chat" else (TraceBench, trace_workload)
+    spec = spec_cls(**{f.name: declared[f.name] for f in dataclasses.fields(spec_cls) if f.name in declared})
+    return build(spec, list(results["config"]["concurrency"]), int(results["model"]["vocab_size"]))
+
+
+def calibration_from_results(results: dict) -> Calibration:
+    reg, cfg = results["regime"], results["config"]
+    cal = results.get("populate", {}).get("calibration", {})
+    return Calibration(
+        prefill_tokens_per_s=float(reg["prefill_tokens_per_s"]),
+        decode_step_s=float(reg["decode_step_s"]),
+        disk_read_gbps=float(reg["read_bps"]) / 1e9,
+        chunk_bytes=int(reg["chunk_bytes"]),
+        chunk_tokens=int(reg["chunk_tokens"]),
+        token_budget=int(cfg["max_num_batched_tokens"]),
+        prompt_tokens=int(cal.get("prompt_tokens", 3541)),
+        extend_tokens=cal.get("extend_tokens"),
+        extend_offset=cal.get("extend_offset"),
+        extend_s=cal.get("extend_s"),
+        decode_step_ctx=int(cal.get("decode_step_ctx", 256)),
+        request_floor_s=cal.get("request_floor_s"),
+        decode_batch=cal.get("decode_batch"),
+        decode_batch_ctx=cal.get("decode_batch_ctx"),
+        decode_batch_step_s=cal.get("decode_batch_step_s"),
+        engine_kv_tokens=cfg.get("engine_kv_cache_tokens"),
+        max_num_seqs=int(cfg.get("max_num_seqs", 256)),
+        dram_bytes=cfg.get("dram_tier_bytes"),
+    )
+
+
+def predict_cells(
+    cal: Calibration, workload, modes: list[str], concurrencies: list[int]
 ) -> dict[tuple[str, int], float]:
-    """Predicted TTFT p50 for each (mode, concurrency), on the bench's synthetic chat workload.
+    """Predicted TTFT p50 of each (mode, concurrency) cell of the bench, replaying its sessions.
 
-    The disk tier holds everything written (write-through); DRAM holds nothing until fetched, except in
-    `dram` mode where every turn's reusable prefix is already there.
+    Per mode, as the bench runs it: a fresh engine prefix cache per level, the prelude's chunks on disk, an
+    empty DRAM tier (`dram` mode: every prelude chunk already in DRAM), and new chunks written through.
     """
     dep = cpu_deployment(cal)
+    size = cal.chunk_tokens
+    prelude = [b for s in workload.prelude for t in s.turns for b in chunk_ids(t.tokens, size)]
+    dram_blocks = int(cal.dram_bytes // cal.chunk_bytes) if cal.dram_bytes else None
     out = {}
     for c in concurrencies:
-        spec = replace(workload or ChatWorkload(sessions=4 * c), concurrency=c, arrival="concurrency")
-        requests: list[Request] = generate_chat(spec)
+        requests = level_requests(workload.levels[c], size)
         for mode in modes:
             policy = BENCH_MODES[mode]
             tiers = (
-                TierSpec("dram", None, dep.accelerator.host_link_bw),
+                TierSpec("dram", None if policy is Policy.DRAM else dram_blocks, dep.accelerator.host_link_bw),
                 TierSpec("disk", None, cal.disk_read_gbps * 1e9, 1e-4),
             )
-            preload = {}
-            if policy is Policy.DRAM:
-                preload = {"dram": [b for r in requests for b in r.hash_ids]}
+            preload = {"disk": prelude} | ({"dram": prelude} if policy is Policy.DRAM else {})
             config = SimConfig(
-                dep, policy, tiers, concurrency=c, preload=preload, hbm_cache_blocks=0, block_tokens=spec.block_tokens
+                dep,
+                policy,
+                tiers,
+                concurrency=c,
+                preload=preload,
+                hbm_cache_blocks=(cal.engine_kv_tokens or dep.kv_capacity_tokens) // size,
+                block_tokens=size,
+                share_prefix_blocks=True,
+                request_overhead_s=request_overhead(cal, dep.accelerator.step_overhead_s),
             )
             out[(mode, c)] = simulate(config, requests).ttft_p(50)
+    return out
+
+
+def predict_bench(results: dict) -> list[dict]:
+    """Predicted vs measured TTFT p50 for every simulated mode and concurrency of one bench run."""
+    cal = calibration_from_results(results)
+    rows = [r for r in results["rows"] if r.get("status") == "ok" and r.get("ttft_p50_s") is not None]
+    modes = sorted({r["mode"] for r in rows} & set(BENCH_MODES))
+    levels = sorted({r["concurrency"] for r in rows})
+    if not modes:
+        return []
+    pred = predict_cells(cal, rebuild_workload(results), modes, levels)
+    out = []
+    for (mode, c), p in sorted(pred.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        meas = next((r["ttft_p50_s"] for r in rows if r["mode"] == mode and r["concurrency"] == c), None)
+        err = 100.0 * (p - meas) / meas if meas else None
+        out.append({"mode": mode, "concurrency": c, "predicted": p, "measured": meas, "error_pct": err})
     return out

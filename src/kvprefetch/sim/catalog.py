@@ -6,7 +6,9 @@ an efficiency factor, since peak FLOP/s and efficiency only ever appear as their
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 GB = 1e9
 
@@ -145,22 +147,42 @@ MODELS: dict[str, Model] = {
             active_params=14.7e9,
             source="Qwen/Qwen2.5-14B-Instruct config.json; bf16 weights and KV",
         ),
-        Model(
-            "dummy-llama",
-            layers=4,
-            hidden=512,
-            heads=8,
-            kv_heads=8,
-            head_dim=64,
-            total_params=40e6,
-            active_params=40e6,
-            weight_bytes=4.0,
-            kv_dtype_bytes=4.0,
-            source="placeholder for the benchmark's dummy-weight Llama (issue 4); fp32 on CPU. Replace "
-            "with the shipped config once the bench exists",
-        ),
     ]
 }
+
+
+
+def model_from_hf_config(path: str | Path, name: str | None = None) -> Model:
+    """A dense Llama-style model's shape and parameter counts from its Hugging Face config.json."""
+    c = json.loads(Path(path).read_text())
+    hidden, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    heads, kv_heads = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
+    head_dim = c.get("head_dim", hidden // heads)
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q and o; k and v
+    mlp = 3 * hidden * c["intermediate_size"]
+    lm_head = hidden * vocab
+    embed = 0 if c.get("tie_word_embeddings") else hidden * vocab
+    dtype_bytes = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}.get(c.get("torch_dtype", "bfloat16"), 2.0)
+    return Model(
+        name or Path(path).parent.name,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        total_params=float(layers * (attention + mlp) + lm_head + embed),
+        active_params=float(layers * (attention + mlp) + lm_head),  # the embedding is a lookup
+        weight_bytes=dtype_bytes,
+        kv_dtype_bytes=dtype_bytes,
+        source=f"computed from {Path(path).name} of the model",
+    )
+
+
+BENCH_MODEL_CONFIG = Path(__file__).resolve().parents[1] / "bench" / "models" / "tiny-llama" / "config.json"
+MODELS["tiny-llama"] = replace(
+    model_from_hf_config(BENCH_MODEL_CONFIG),
+    source="kvprefetch/bench/models/tiny-llama/config.json, the benchmark's model (fp32 on CPU); params computed",
+)
 
 ACCELERATORS: dict[str, Accelerator] = {
     a.name: a

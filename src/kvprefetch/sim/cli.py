@@ -22,6 +22,29 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _run_bench_scenario(results_path: Path | None, json_path: Path | None) -> None:
+    """Our own benchmark predicted from its own calibration: every mode x concurrency cell."""
+    import json as jsonlib
+
+    from kvprefetch.sim.report import bench_rows, print_rows, write_json
+
+    if results_path is None or not results_path.exists():
+        raise typer.BadParameter(
+            f"--scenario bench needs --bench-results PATH, the results.json of a `kvprefetch bench` run"
+            f" (got {results_path})"
+        )
+    try:
+        results = jsonlib.loads(results_path.read_text())
+        rows = bench_rows(results)
+    except (ValueError, KeyError) as err:
+        raise typer.BadParameter(f"{results_path} is not a usable kvprefetch bench results.json: {err!r}") from None
+    print_rows(rows, console, title=f"simulated vs measured ({results_path})")
+    within = sum(abs(r.error_pct) <= 20 for r in rows)
+    console.print(f"{within} of {len(rows)} cells within 20%")
+    if json_path:
+        write_json(rows, json_path)
+
+
 def _run_scenario(name: str, trace: Path, json_path: Path | None, plots: Path | None) -> None:
     from kvprefetch.sim.hitratio import hit_ratio_curve, published_for
     from kvprefetch.sim.plots import hit_ratio_vs_capacity, ttft_vs_concurrency
@@ -68,7 +91,12 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def sim(
-        scenario: Annotated[str | None, typer.Option(help="validation scenario, or 'all'")] = None,
+        scenario: Annotated[
+            str | None, typer.Option(help="validation scenario, 'all', or 'bench' (with --bench-results)")
+        ] = None,
+        bench_results: Annotated[
+            Path | None, typer.Option(help="results.json of a `kvprefetch bench` run, for --scenario bench")
+        ] = None,
         model: str = "qwen3-coder-480b-fp8",
         accelerator: str = "mi308x",
         tp: int = 8,
@@ -84,6 +112,9 @@ def register(app: typer.Typer) -> None:
         plots: Annotated[Path | None, typer.Option(help="directory for PNG plots")] = None,
     ) -> None:
         """Simulate tiered KV serving: reproduce published figures or plan a deployment."""
+        if scenario == "bench":
+            _run_bench_scenario(bench_results, json)
+            return
         if scenario:
             _run_scenario(scenario, trace, json, plots)
             return

@@ -14,8 +14,12 @@ class Deployment:
     """One engine instance: a model on `tp` devices, with the vLLM knobs that shape its batches.
 
     `efficiency` scales peak FLOP/s (MFU) and `mem_efficiency` scales HBM bandwidth; both are what the
-    roofline cannot know about kernels. `token_budget` is vLLM's max_num_batched_tokens (8192 is its
-    default for online serving), `kv_memory_fraction` its gpu_memory_utilization (default 0.9).
+    roofline cannot know about kernels. `attention_efficiency` scales the attention against cached KV apart
+    (decode, and prefill over a prefix or earlier chunks: paged-KV kernels, slower than the dense ones that
+    attend among a step's new tokens, on CPUs especially). `token_budget` is vLLM's
+    max_num_batched_tokens (8192 is its default for online serving), `kv_memory_fraction` its
+    gpu_memory_utilization (default 0.9), `kv_capacity_tokens_override` the engine's KV size where it was
+    measured rather than derived (the bench's engine reports it).
     """
 
     model: Model
@@ -26,9 +30,13 @@ class Deployment:
     token_budget: int = 8192
     max_seqs: int = 256
     kv_memory_fraction: float = 0.9
+    attention_efficiency: float = 1.0
+    kv_capacity_tokens_override: int | None = None
 
     @property
     def kv_capacity_tokens(self) -> int:
+        if self.kv_capacity_tokens_override is not None:
+            return self.kv_capacity_tokens_override
         free = self.accelerator.hbm_bytes * self.tp * self.kv_memory_fraction
         free -= self.model.total_params * self.model.weight_bytes
         if free <= 0:
@@ -52,8 +60,10 @@ class Deployment:
         """Seconds for one step running prefill chunks `(offset, length)` and `n_decode` decode tokens."""
         m = self.model
         tokens = n_decode + sum(n for _, n in prefill)
-        pairs = decode_ctx + sum(n * (o + n / 2.0) for o, n in prefill)
+        fresh = sum(n * n / 2.0 for _, n in prefill)  # among the step's own new tokens
+        cached = decode_ctx + sum(n * o for o, n in prefill)  # against KV already in the cache
         kv_read = decode_ctx + sum(o for o, _ in prefill)
+        pairs = fresh + cached / self.attention_efficiency
         flops = 2.0 * m.active_params * tokens + self._attn_flops_per_pair() * pairs
         mem = float(self._weight_bytes(tokens)) + kv_read * m.kv_bytes_per_token
         return self._roofline(flops, mem)
@@ -62,7 +72,7 @@ class Deployment:
         """Times of `steps` decode-only steps in a row, each adding one token to every sequence."""
         ctx = ctx_start + n_decode * np.arange(steps, dtype=float)
         m = self.model
-        flops = 2.0 * m.active_params * n_decode + self._attn_flops_per_pair() * ctx
+        flops = 2.0 * m.active_params * n_decode + self._attn_flops_per_pair() * ctx / self.attention_efficiency
         mem = self._weight_bytes(n_decode) + ctx * m.kv_bytes_per_token
         return self._roofline(flops, mem)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +28,11 @@ class SimConfig:
     `tiers[0]` is host DRAM (read straight over the host link); the others are storage, read into DRAM
     first. `concurrency`: closed loop with that many sessions in flight; None: open loop at `arrival_s`.
     `preload` puts block ids in a tier before the run (the "cold reads" of a warm store).
+    `request_overhead_s`: latency between a request's submission and its arrival in the engine's queue (the
+    serving front end: a small engine's time to first token has a floor of its own).
+    `share_prefix_blocks`: running requests share the KV blocks of a common prefix, as vLLM's prefix caching
+    does, so a shared system prompt counts once against the engine's KV capacity (it decides how many requests
+    run at once when that capacity is small, as in our CPU bench; on GPU-sized HBM it rarely binds).
     """
 
     deployment: Deployment
@@ -39,6 +44,8 @@ class SimConfig:
     queue_aware_eviction: bool = False
     hbm_cache_blocks: int | None = None
     block_tokens: int = 512
+    share_prefix_blocks: bool = False
+    request_overhead_s: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -54,6 +61,7 @@ class _Req:
     offset: int = 0
     remaining: int = 0
     left_out: int = 0
+    reserved: int = 0
     first_token: float = float("nan")
     done: float = float("nan")
 
@@ -118,6 +126,7 @@ class Simulator:
         self.decoding: list[_Req] = []
         self.decode_ctx = 0.0
         self.reserved = 0
+        self.held: Counter[int] = Counter()  # prompt blocks of running requests (share_prefix_blocks)
         self.finished: list[_Req] = []
         self.tokens_from: dict[str, int] = {"computed": 0, "hbm": 0} | {t.name: 0 for t in self.tiers}
         self.stall_s = 0.0
@@ -127,7 +136,8 @@ class Simulator:
 
     # ---- arrivals and the cache lookup ------------------------------------------------------------
     def _push(self, t: float, req: Request) -> None:
-        heapq.heappush(self.arrivals, (t, next(self.seq), req))
+        """Submitted at t; in the engine's queue after the front end's overhead."""
+        heapq.heappush(self.arrivals, (t + self.cfg.request_overhead_s, next(self.seq), req, t))
 
     def _lookup(self, st: _Req) -> None:
         """Longest prefix of the prompt's blocks found in HBM or any tier, block by block."""
@@ -205,7 +215,10 @@ class Simulator:
             st.kv_ready = self.host.transfer(max(self.now, st.fetched_to_dram_at or 0.0), ext) if ext else self.now
         st.offset = st.hbm_tokens + st.ext_tokens
         st.remaining = req.input_len - st.offset
-        self.reserved += req.input_len + req.output_len
+        st.reserved = self._kv_need(st)
+        self.reserved += st.reserved
+        if self.cfg.share_prefix_blocks:
+            self.held.update(self._full_blocks(req))
         self.tokens_from["computed"] += st.remaining
         for b, where in st.prefix_blocks:
             self.tokens_from[where] += self.cfg.block_tokens
@@ -214,8 +227,23 @@ class Simulator:
 
     def _can_admit(self, st: _Req) -> bool:
         running = len(self.prefilling) + len(self.decoding) + len(self.loading)
-        need = st.req.input_len + st.req.output_len
+        need = self._kv_need(st)
         return running < self.dep.max_seqs and (self.reserved + need <= self.dep.kv_capacity_tokens or running == 0)
+
+    def _full_blocks(self, req: Request) -> tuple[int, ...]:
+        return req.hash_ids[: req.input_len // self.cfg.block_tokens]
+
+    def _kv_need(self, st: _Req) -> int:
+        """Engine KV tokens a request adds when admitted: all of it, less blocks running requests share."""
+        need = st.req.input_len + st.req.output_len
+        if self.cfg.share_prefix_blocks:
+            shared = 0
+            for b in self._full_blocks(st.req):
+                if b not in self.held:
+                    break
+                shared += 1
+            need -= shared * self.cfg.block_tokens
+        return need
 
     def _plan(self) -> list[tuple[_Req, int]]:
         budget = self.dep.token_budget - len(self.decoding)
@@ -262,7 +290,10 @@ class Simulator:
 
     def _finish(self, st: _Req) -> None:
         st.done = self.now
-        self.reserved -= st.req.input_len + st.req.output_len
+        self.reserved -= st.reserved
+        if self.cfg.share_prefix_blocks:
+            self.held.subtract(self._full_blocks(st.req))
+            self.held += Counter()  # drop the zeros
         self.finished.append(st)
         nxt = self.driver.after(st.req, self.now)
         if nxt is not None:
@@ -342,7 +373,7 @@ class Simulator:
             self._push(t, req)
         while len(self.finished) < self.n_requests:
             while self.arrivals and self.arrivals[0][0] <= self.now:
-                t, _, req = heapq.heappop(self.arrivals)
+                _, _, req, t = heapq.heappop(self.arrivals)
                 self._arrive_with_session(t, req)
             plan = self._plan()
             if plan:

@@ -54,8 +54,20 @@ def mooncake_rows(requests: Sequence[Request], trace_name: str) -> list[Row]:
     return rows
 
 
-def print_rows(rows: Sequence[Row], console: Console | None = None) -> None:
-    table = Table(title="simulated vs published")
+def bench_rows(results: dict, name: str = "bench") -> list[Row]:
+    """Predicted vs measured TTFT p50 per mode and concurrency of one `kvprefetch bench` run (results.json):
+    "published" holds the measurement; nothing is fitted to it."""
+    from kvprefetch.sim.calibration import predict_bench
+
+    return [
+        _row(name, f"ttft_p50 {p['mode']} c={p['concurrency']}", p["measured"], p["predicted"], False)
+        for p in predict_bench(results)
+        if p["measured"]
+    ]
+
+
+def print_rows(rows: Sequence[Row], console: Console | None = None, title: str = "simulated vs published") -> None:
+    table = Table(title=title)
     for col in ("scenario", "metric", "published", "simulated", "error %", "fitted"):
         table.add_column(col, justify="right" if col not in ("scenario", "metric") else "left")
     for r in rows:

@@ -1,0 +1,158 @@
+"""The simulator against our own benchmark: calibration from a run's measurements, replay of its sessions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvprefetch.bench.workloads import ChatBench, chat_workload
+from kvprefetch.cli import app
+from kvprefetch.sim.calibration import (
+    Calibration,
+    calibration_from_results,
+    chunk_ids,
+    cpu_deployment,
+    level_requests,
+    predict_bench,
+    rebuild_workload,
+    request_overhead,
+)
+
+CAL = Calibration(
+    prefill_tokens_per_s=11000.0,
+    decode_step_s=0.004,
+    disk_read_gbps=0.5,
+    chunk_bytes=1 << 20,
+    chunk_tokens=256,
+    prompt_tokens=3500,
+    extend_tokens=256,
+    extend_offset=3500,
+    extend_s=0.045,
+    decode_batch=4,
+    decode_batch_ctx=3500,
+    decode_batch_step_s=0.011,
+    request_floor_s=0.012,
+    engine_kv_tokens=17408,
+    max_num_seqs=16,
+    dram_bytes=400 << 20,
+)
+
+
+def test_calibrated_cpu_reproduces_every_sample_it_was_built_from():
+    dep = cpu_deployment(CAL)
+    front = request_overhead(CAL, dep.accelerator.step_overhead_s)
+    assert 0 < front < CAL.request_floor_s
+    cold = front + dep.prefill_time(CAL.prompt_tokens)
+    assert cold == pytest.approx(CAL.prompt_tokens / CAL.prefill_tokens_per_s, rel=0.01)
+    assert front + dep.prefill_time(CAL.extend_tokens, CAL.extend_offset) == pytest.approx(CAL.extend_s, rel=0.01)
+    assert dep.attention_efficiency != pytest.approx(1.0)  # the two samples were told apart
+    assert float(dep.decode_steps(1, CAL.decode_step_ctx, 1)[0]) == pytest.approx(CAL.decode_step_s, rel=0.01)
+    batch = float(dep.decode_steps(CAL.decode_batch, CAL.decode_batch * CAL.decode_batch_ctx, 1)[0])
+    assert batch == pytest.approx(CAL.decode_batch_step_s, rel=0.01)
+    assert dep.kv_capacity_tokens == 17408 and dep.max_seqs == 16
+
+
+def test_without_the_optional_samples_one_rate_serves_prefill_and_attention():
+    cal = Calibration(**{**CAL.__dict__, "extend_s": None, "decode_batch_step_s": None, "request_floor_s": None})
+    dep = cpu_deployment(cal)
+    assert dep.attention_efficiency == pytest.approx(1.0)
+    assert dep.prefill_time(cal.prompt_tokens) == pytest.approx(cal.prompt_tokens / cal.prefill_tokens_per_s, 0.01)
+
+
+SPEC = ChatBench(system_tokens=512, history_tokens=1024, user_tokens=256, output_tokens=8, measured_turns=2)
+
+
+def test_replayed_requests_share_exactly_the_chunks_the_bench_sessions_share():
+    wl = chat_workload(SPEC, [2], vocab_size=4096)
+    reqs = level_requests(wl.levels[2], 256)
+    assert len(reqs) == wl.requests(2)
+    by = {(r.session_id, r.turn): r for r in reqs}
+    # every session starts with the same system prompt: its two chunks are the same ids everywhere
+    assert len({r.hash_ids[:2] for r in reqs}) == 1
+    # a later turn extends the earlier one: its chunks start with all of the earlier turn's full chunks
+    assert by[(0, 1)].hash_ids[: len(by[(0, 0)].hash_ids)] == by[(0, 0)].hash_ids
+    # other sessions diverge after the system prompt
+    assert by[(1, 0)].hash_ids[2] != by[(0, 0)].hash_ids[2]
+    # the measured first turn extends its prelude turn, whose chunks are on disk before the run
+    prelude = chunk_ids(wl.prelude[0].turns[-1].tokens, 256)
+    assert by[(0, 0)].hash_ids[: len(prelude)] == prelude
+
+
+def _results(levels=(1, 4)) -> dict:
+    """A bench results.json as the runner writes it, with made-up measurements."""
+    declared = chat_workload(SPEC, list(levels), 4096).declared
+    rows = [
+        {"mode": m, "concurrency": c, "status": "ok", "ttft_p50_s": t * (1 + c / 4)}
+        for m, t in (("recompute", 0.3), ("ondemand", 0.06), ("prefetch", 0.05), ("dram", 0.04))
+        for c in levels
+    ] + [{"mode": "vllm-example", "concurrency": 1, "status": "ok", "ttft_p50_s": 0.2}]
+    return {
+        "regime": {
+            "prefill_tokens_per_s": 11000.0,
+            "decode_step_s": 0.004,
+            "read_bps": 5e8,
+            "chunk_bytes": 1 << 20,
+            "chunk_tokens": 256,
+        },
+        "config": {
+            "concurrency": list(levels),
+            "max_num_batched_tokens": 2048,
+            "engine_kv_cache_tokens": 17408,
+            "max_num_seqs": 16,
+            "dram_tier_bytes": 400 << 20,
+        },
+        "model": {"vocab_size": 4096},
+        "workload": declared,
+        "populate": {
+            "calibration": {
+                "prompt_tokens": 3500,
+                "extend_tokens": 256,
+                "extend_offset": 3500,
+                "extend_s": 0.045,
+                "decode_batch": 4,
+                "decode_batch_ctx": 3500,
+                "decode_batch_step_s": 0.011,
+            }
+        },
+        "rows": rows,
+    }
+
+
+def test_prediction_covers_every_simulated_cell_and_orders_the_modes():
+    results = _results()
+    assert calibration_from_results(results).decode_batch_step_s == 0.011
+    assert rebuild_workload(results).requests(4) == chat_workload(SPEC, [1, 4], 4096).requests(4)
+    rows = predict_bench(results)
+    assert {(r["mode"], r["concurrency"]) for r in rows} == {
+        (m, c) for m in ("recompute", "ondemand", "prefetch", "dram") for c in (1, 4)
+    }  # vllm-example is not a simulated mode
+    pred = {(r["mode"], r["concurrency"]): r["predicted"] for r in rows}
+    for c in (1, 4):
+        assert pred[("recompute", c)] > 1.5 * pred[("ondemand", c)]
+        assert 0 < pred[("dram", c)] <= 1.05 * pred[("ondemand", c)]  # within a step: loads from DRAM, not disk
+    assert pred[("recompute", 4)] > pred[("recompute", 1)]
+    for r in rows:
+        assert r["error_pct"] == pytest.approx(100 * (r["predicted"] - r["measured"]) / r["measured"])
+
+
+def test_sim_cli_bench_scenario_prints_and_writes_rows(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(_results()))
+    out = tmp_path / "rows.json"
+    res = CliRunner().invoke(app, ["sim", "--scenario", "bench", "--bench-results", str(path), "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "cells within 20%" in res.output
+    rows = json.loads(out.read_text())
+    assert len(rows) == 8 and all(r["scenario"] == "bench" and not r["fitted"] for r in rows)
+
+
+def test_sim_cli_bench_scenario_without_results_is_a_clear_error(tmp_path):
+    res = CliRunner().invoke(app, ["sim", "--scenario", "bench", "--bench-results", str(tmp_path / "nope.json")])
+    assert res.exit_code != 0
+    assert "bench-results" in res.output
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    res = CliRunner().invoke(app, ["sim", "--scenario", "bench", "--bench-results", str(bad)])
+    assert res.exit_code != 0 and "not a usable" in res.output
