@@ -3,7 +3,7 @@
 Why: on a virtualised block device the host copies each read into guest memory, and that copy runs fastest
 into a small, reused (cache-hot) buffer backed by huge pages. Reading a chunk into such a buffer, verifying it
 there while it is hot and then copying it into its DRAM slot measured 15-30% faster here than reading straight
-into a pool-sized footprint (`kvprefetch iobench`, rows "staged" vs "direct"). Staging buffers on 4 KiB pages
+into a pool-sized footprint (`kvprefetch iobench`: the parallel row vs "no staging"). Staging buffers on 4 KiB pages
 were slower than no staging, so without free huge pages there is none and reads go straight to the slot.
 """
 
