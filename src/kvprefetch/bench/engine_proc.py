@@ -243,33 +243,25 @@ def calibrate(driver: Driver, prompt_tokens: int, repeats: int, decode_tokens: i
     extend_tokens = 256
     for k in range(repeats):
         prompt = random_prompt(prompt_tokens, vocab, 1000 + k)
-        s = {"sid": f"cal{k}", "arrival_s": 0.0, "turns": [{"tokens": prompt, "max_tokens": 1}]}
-        r = driver.run([s], 1, 600, f"cal{k}")["records"][0]
-        if r["first_token"] is not None:
-            speeds.append(prompt_tokens / (r["first_token"] - r["arrival"]))
-        more = prompt + random_prompt(extend_tokens, vocab, 2000 + k)
-        e = {"sid": f"ext{k}", "arrival_s": 0.0, "turns": [{"tokens": more, "max_tokens": 1}]}
-        r = driver.run([e], 1, 600, f"ext{k}")["records"][0]
-        if r["first_token"] is not None:
-            extends.append(r["first_token"] - r["arrival"])
+        ttft = _ttft(driver, f"cal{k}", prompt)
+        if ttft is not None:
+            speeds.append(prompt_tokens / ttft)
+        ttft = _ttft(driver, f"ext{k}", prompt + random_prompt(extend_tokens, vocab, 2000 + k))
+        if ttft is not None:
+            extends.append(ttft)
     floors = []
     for k in range(repeats):
-        f = {"sid": f"floor{k}", "arrival_s": 0.0, "turns": [{"tokens": random_prompt(16, vocab, 4000 + k),
-                                                              "max_tokens": 1}]}  # fmt: skip
-        r = driver.run([f], 1, 600, f"floor{k}")["records"][0]
-        if r["first_token"] is not None:
-            floors.append(r["first_token"] - r["arrival"])
+        ttft = _ttft(driver, f"floor{k}", random_prompt(16, vocab, 4000 + k))
+        if ttft is not None:
+            floors.append(ttft)
     steps = []
     for k in range(2):
-        d = {"sid": f"dec{k}", "arrival_s": 0.0,
-             "turns": [{"tokens": random_prompt(256, vocab, 900 + k), "max_tokens": decode_tokens}]}  # fmt: skip
+        d = _one_turn(f"dec{k}", random_prompt(256, vocab, 900 + k), decode_tokens)
         itl = sorted(driver.run([d], 1, 600, f"dec{k}")["records"][0]["itl"])
         if itl:
             steps.append(itl[len(itl) // 2])
     batch = 4
-    long = [{"sid": f"decb{k}", "arrival_s": 0.0,
-             "turns": [{"tokens": random_prompt(prompt_tokens, vocab, 3000 + k), "max_tokens": decode_tokens}]}
-            for k in range(batch)]  # fmt: skip
+    long = [_one_turn(f"decb{k}", random_prompt(prompt_tokens, vocab, 3000 + k), decode_tokens) for k in range(batch)]
     recs = driver.run(long, batch, 600, "decb")["records"]
     # steps after every sequence's prefill: the whole batch decoding together
     start = max((r["first_token"] or 0.0) for r in recs)
@@ -298,6 +290,17 @@ def calibrate(driver: Driver, prompt_tokens: int, repeats: int, decode_tokens: i
         "decode_batch_step_s": batch_itl[len(batch_itl) // 2] if batch_itl else None,
         "foreign_cpu_cores": cpu0.foreign_cores(),
     }
+
+
+def _one_turn(sid: str, tokens: list[int], max_tokens: int) -> dict:
+    """A session of one turn, due at once."""
+    return {"sid": sid, "arrival_s": 0.0, "turns": [{"tokens": tokens, "max_tokens": max_tokens}]}
+
+
+def _ttft(driver: Driver, sid: str, tokens: list[int]) -> float | None:
+    """Time to first token of one prompt run alone (None if it failed)."""
+    r = driver.run([_one_turn(sid, tokens, 1)], 1, 600, sid)["records"][0]
+    return None if r["first_token"] is None else r["first_token"] - r["arrival"]
 
 
 class CpuMeter:

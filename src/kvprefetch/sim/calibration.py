@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
+from kvprefetch.keys import ChunkKeyer, KVNamespace
 from kvprefetch.sim.catalog import MODELS, Accelerator
 from kvprefetch.sim.costs import Deployment
 from kvprefetch.sim.engine import SimConfig, simulate
@@ -148,15 +148,12 @@ def cpu_deployment(cal: Calibration) -> Deployment:
 
 # ---- the bench's workload, as simulator requests -----------------------------------------------------------
 def chunk_ids(tokens: list[int], chunk_tokens: int) -> tuple[int, ...]:
-    """Chained ids of the full chunks: equal ids mean an equal whole prefix, as the store's keys do."""
-    arr = np.asarray(tokens, dtype=np.int64)
-    ids, prev = [], 0
-    for i in range(len(arr) // chunk_tokens):
-        prev = xxhash.xxh3_64_intdigest(
-            prev.to_bytes(8, "little") + arr[i * chunk_tokens : (i + 1) * chunk_tokens].tobytes()
-        )
-        ids.append(prev)
-    return tuple(ids)
+    """The store's chained keys of the full chunks (`ChunkKeyer`), as the simulator's integer block ids:
+    equal ids mean an equal whole prefix."""
+    return tuple(int.from_bytes(k[:8], "little") for k in ChunkKeyer(_REPLAY_NAMESPACE, chunk_tokens).keys(tokens))
+
+
+_REPLAY_NAMESPACE = KVNamespace(model="bench-replay", num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32")
 
 
 def level_requests(sessions: list, chunk_tokens: int) -> list[Request]:

@@ -203,11 +203,12 @@ class DiskTier:
             if self.read_gate is not None:
                 gate.enter_context(self.read_gate.admit(len(dst)))
             staged = held.enter_context(self.staging.lend(len(dst))) if self.staging is not None else None
-            got = self._read_full(fd, dst if staged is None else staged)
+            buf = dst if staged is None else staged
+            got = self._read_full(fd, buf)
             gate.close()
             if got != len(dst):
                 raise CorruptChunk(f"short read: {got} of {len(dst)} bytes")
-            header = verify_image(dst if staged is None else staged, key, verify_payload=verify)
+            header = verify_image(buf, key, verify_payload=verify)
             if staged is not None:
                 np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(staged, np.uint8))
             return header
