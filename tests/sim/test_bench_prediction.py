@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
@@ -33,7 +34,11 @@ CAL = Calibration(
     decode_batch=4,
     decode_batch_ctx=3500,
     decode_batch_step_s=0.011,
+    decode_wide=16,
+    decode_wide_step_s=0.007,
     request_floor_s=0.012,
+    reload_s=0.05,
+    reload_tokens=3328,
     engine_kv_tokens=17408,
     max_num_seqs=16,
     dram_bytes=400 << 20,
@@ -51,13 +56,26 @@ def test_calibrated_cpu_reproduces_every_sample_it_was_built_from():
     assert float(dep.decode_steps(1, CAL.decode_step_ctx, 1)[0]) == pytest.approx(CAL.decode_step_s, rel=0.01)
     batch = float(dep.decode_steps(CAL.decode_batch, CAL.decode_batch * CAL.decode_batch_ctx, 1)[0])
     assert batch == pytest.approx(CAL.decode_batch_step_s, rel=0.01)
+    wide = float(dep.decode_steps(CAL.decode_wide, CAL.decode_wide * CAL.decode_step_ctx, 1)[0])
+    assert wide == pytest.approx(CAL.decode_wide_step_s, rel=0.01)
+    assert dep.accelerator.seq_overhead_s > 0  # sixteen short sequences cost more than one: per-sequence work
+    loaded = CAL.reload_tokens * dep.model.kv_bytes_per_token / dep.accelerator.host_link_bw
+    rest = dep.prefill_time(CAL.prompt_tokens - CAL.reload_tokens, CAL.reload_tokens)
+    assert front + loaded + rest == pytest.approx(CAL.reload_s, rel=0.01)
     assert dep.kv_capacity_tokens == 17408 and dep.max_seqs == 16
 
 
+def test_a_reload_faster_than_its_own_compute_keeps_the_default_copy_rate():
+    dep = cpu_deployment(replace(CAL, reload_s=0.001))
+    assert dep.accelerator.host_link_bw == CAL.host_copy_gbps * 1e9
+
+
 def test_without_the_optional_samples_one_rate_serves_prefill_and_attention():
-    cal = Calibration(**{**CAL.__dict__, "extend_s": None, "decode_batch_step_s": None, "request_floor_s": None})
+    cal = replace(CAL, extend_s=None, decode_batch_step_s=None, request_floor_s=None, decode_wide_step_s=None,
+                  reload_s=None)  # fmt: skip
     dep = cpu_deployment(cal)
     assert dep.attention_efficiency == pytest.approx(1.0)
+    assert dep.accelerator.seq_overhead_s == 0 and dep.accelerator.host_link_bw == cal.host_copy_gbps * 1e9
     assert dep.prefill_time(cal.prompt_tokens) == pytest.approx(cal.prompt_tokens / cal.prefill_tokens_per_s, 0.01)
 
 
@@ -114,6 +132,10 @@ def _results(levels=(1, 4)) -> dict:
                 "decode_batch": 4,
                 "decode_batch_ctx": 3500,
                 "decode_batch_step_s": 0.011,
+                "decode_wide": 16,
+                "decode_wide_step_s": 0.007,
+                "reload_s": 0.05,
+                "reload_tokens": 3328,
             }
         },
         "rows": rows,
@@ -122,7 +144,8 @@ def _results(levels=(1, 4)) -> dict:
 
 def test_prediction_covers_every_simulated_cell_and_orders_the_modes():
     results = _results()
-    assert calibration_from_results(results).decode_batch_step_s == 0.011
+    cal = calibration_from_results(results)
+    assert (cal.decode_batch_step_s, cal.decode_wide_step_s, cal.reload_s) == (0.011, 0.007, 0.05)
     assert rebuild_workload(results).requests(4) == chat_workload(SPEC, [1, 4], 4096).requests(4)
     rows = predict_bench(results)
     assert {(r["mode"], r["concurrency"]) for r in rows} == {
@@ -148,11 +171,32 @@ def test_sim_cli_bench_scenario_prints_and_writes_rows(tmp_path):
     assert len(rows) == 8 and all(r["scenario"] == "bench" and not r["fitted"] for r in rows)
 
 
+def test_sim_cli_bench_scenario_over_several_runs_compares_medians(tmp_path):
+    slow = _results()
+    for row in slow["rows"]:
+        row["ttft_p50_s"] *= 3
+    paths = []
+    for k, results in enumerate((_results(), slow, _results())):
+        paths += ["--bench-results", str(tmp_path / f"r{k}.json")]
+        (tmp_path / f"r{k}.json").write_text(json.dumps(results))
+    out = tmp_path / "rows.json"
+    res = CliRunner().invoke(app, ["sim", "--scenario", "bench", *paths, "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "medians of 3 runs" in res.output and "inside the range the runs measured" in res.output
+    one = {r["metric"]: r for r in json.loads(out.read_text())}
+    base = {f"ttft_p50 {r['mode']} c={r['concurrency']}": r["ttft_p50_s"] for r in _results()["rows"]}
+    assert one["ttft_p50 dram c=4"]["published"] == pytest.approx(base["ttft_p50 dram c=4"])  # the median run
+    assert one["ttft_p50 dram c=4"]["note"].startswith("3 run(s)")
+
+
 def test_sim_cli_bench_scenario_without_results_is_a_clear_error(tmp_path):
     res = CliRunner().invoke(app, ["sim", "--scenario", "bench", "--bench-results", str(tmp_path / "nope.json")])
     assert res.exit_code != 0
     assert "bench-results" in res.output
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
+    res = CliRunner().invoke(app, ["sim", "--scenario", "bench", "--bench-results", str(bad)])
+    assert res.exit_code != 0 and "not a usable" in res.output
+    bad.write_text("{not json")
     res = CliRunner().invoke(app, ["sim", "--scenario", "bench", "--bench-results", str(bad)])
     assert res.exit_code != 0 and "not a usable" in res.output

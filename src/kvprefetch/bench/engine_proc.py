@@ -232,23 +232,33 @@ def calibrate(driver: Driver, prompt_tokens: int, repeats: int, decode_tokens: i
     - prefill of 256 new tokens on that prompt, now in the engine's prefix cache (``extend_s``): with the first,
       it separates the per-token cost from the attention cost;
     - the time to first token of a 16-token prompt (``request_floor_s``): the per-request cost outside the model;
-    - one decode step of a short sequence alone (``decode_step_s``), and of four long ones together
-      (``decode_batch_step_s``): their difference is the time to read the batch's KV.
+    - the time to first token of that prompt once more, its KV now only in the DRAM tier (``reload_s``, the
+      engine's prefix cache reset): the connector's load path into the engine, end to end;
+    - one decode step of a short sequence alone (``decode_step_s``), of sixteen short ones together
+      (``decode_wide_step_s``: the per-sequence cost of a step) and of four long ones together
+      (``decode_batch_step_s``: with the others, the time to read the batch's KV).
 
+    Every sample starts once the previous one's KV is saved (the store flushed), so no write-back runs beside it.
     The fastest sample is the estimate: on a shared machine other processes only ever slow a sample down, and
     the CPU time they took during the calibration is reported next to it (``foreign_cpu_cores``).
     """
     cpu0 = CpuMeter()
-    speeds, extends = [], []
+    speeds, extends, reloads = [], [], []
     extend_tokens = 256
     for k in range(repeats):
         prompt = random_prompt(prompt_tokens, vocab, 1000 + k)
         ttft = _ttft(driver, f"cal{k}", prompt)
         if ttft is not None:
             speeds.append(prompt_tokens / ttft)
+        flush_stores()
         ttft = _ttft(driver, f"ext{k}", prompt + random_prompt(extend_tokens, vocab, 2000 + k))
         if ttft is not None:
             extends.append(ttft)
+        flush_stores()
+        if _reset_prefix_cache(driver.engine):
+            rec = _first_token(driver, f"rel{k}", prompt)
+            if rec is not None and rec.get("cached_external"):
+                reloads.append((rec["first_token"] - rec["arrival"], int(rec["cached_external"])))
     floors = []
     for k in range(repeats):
         ttft = _ttft(driver, f"floor{k}", random_prompt(16, vocab, 4000 + k))
@@ -260,18 +270,13 @@ def calibrate(driver: Driver, prompt_tokens: int, repeats: int, decode_tokens: i
         itl = sorted(driver.run([d], 1, 600, f"dec{k}")["records"][0]["itl"])
         if itl:
             steps.append(itl[len(itl) // 2])
+    wide = 16
+    short = [_one_turn(f"decw{k}", random_prompt(256, vocab, 950 + k), decode_tokens) for k in range(wide)]
+    wide_itl = _together_itl(driver.run(short, wide, 600, "decw")["records"])
     batch = 4
     long = [_one_turn(f"decb{k}", random_prompt(prompt_tokens, vocab, 3000 + k), decode_tokens) for k in range(batch)]
-    recs = driver.run(long, batch, 600, "decb")["records"]
-    # steps after every sequence's prefill: the whole batch decoding together
-    start = max((r["first_token"] or 0.0) for r in recs)
-    batch_itl = sorted(
-        x
-        for r in recs
-        if r["first_token"] is not None
-        for x, end in zip(r["itl"], r["first_token"] + np.cumsum(r["itl"]), strict=True)
-        if end - x >= start
-    )
+    batch_itl = _together_itl(driver.run(long, batch, 600, "decb")["records"])
+    reload_s, reload_tokens = min(reloads) if reloads else (None, None)
     return {
         "prefill_tokens_per_s": max(speeds) if speeds else None,
         "prefill_samples": speeds,
@@ -287,7 +292,12 @@ def calibrate(driver: Driver, prompt_tokens: int, repeats: int, decode_tokens: i
         "decode_step_ctx": 256,
         "decode_batch": batch,
         "decode_batch_ctx": prompt_tokens,
-        "decode_batch_step_s": batch_itl[len(batch_itl) // 2] if batch_itl else None,
+        "decode_batch_step_s": batch_itl,
+        "decode_wide": wide,
+        "decode_wide_step_s": wide_itl,
+        "reload_s": reload_s,
+        "reload_tokens": reload_tokens,
+        "reload_samples": [t for t, _ in reloads],
         "foreign_cpu_cores": cpu0.foreign_cores(),
     }
 
@@ -297,10 +307,41 @@ def _one_turn(sid: str, tokens: list[int], max_tokens: int) -> dict:
     return {"sid": sid, "arrival_s": 0.0, "turns": [{"tokens": tokens, "max_tokens": max_tokens}]}
 
 
+def _first_token(driver: Driver, sid: str, tokens: list[int]) -> dict | None:
+    """The record of one prompt run alone for one token (None if it failed)."""
+    r = driver.run([_one_turn(sid, tokens, 1)], 1, 600, sid)["records"][0]
+    return None if r["first_token"] is None else r
+
+
 def _ttft(driver: Driver, sid: str, tokens: list[int]) -> float | None:
     """Time to first token of one prompt run alone (None if it failed)."""
-    r = driver.run([_one_turn(sid, tokens, 1)], 1, 600, sid)["records"][0]
-    return None if r["first_token"] is None else r["first_token"] - r["arrival"]
+    r = _first_token(driver, sid, tokens)
+    return None if r is None else r["first_token"] - r["arrival"]
+
+
+def _together_itl(recs: list[dict]) -> float | None:
+    """Median gap between tokens over the steps where every sequence of a batch was decoding (after the last
+    prefill)."""
+    start = max((r["first_token"] or 0.0) for r in recs)
+    gaps = sorted(
+        x
+        for r in recs
+        if r["first_token"] is not None
+        for x, end in zip(r["itl"], r["first_token"] + np.cumsum(r["itl"]), strict=True)
+        if end - x >= start
+    )
+    return gaps[len(gaps) // 2] if gaps else None
+
+
+def _reset_prefix_cache(engine, attempts: int = 100) -> bool:
+    """Empty the engine's prefix cache. vLLM refuses while a finished request's blocks are still held for the
+    connector's save, and frees them only in a step, so step the (otherwise idle) engine between attempts."""
+    for _ in range(attempts):
+        if engine.reset_prefix_cache() is not False:
+            return True
+        engine.step()
+        time.sleep(0.01)
+    return False
 
 
 class CpuMeter:
@@ -574,8 +615,7 @@ def main() -> None:
             elif op == "calibrate":
                 _reply(calibrate(driver, cmd["prompt_tokens"], cmd["repeats"], cmd["decode_tokens"], cmd["vocab"]))
             elif op == "reset":
-                ok = engine.reset_prefix_cache()
-                _reply({"reset": bool(ok) if ok is not None else True})
+                _reply({"reset": _reset_prefix_cache(engine)})
             elif op == "flush":
                 _reply({"flushed": flush_stores()})
             elif op == "preload_dram":

@@ -505,7 +505,7 @@ class Bench:
                          timeout_s=o.cell_timeout_s)  # fmt: skip
 
             def cell(c: int) -> tuple[dict, dict]:
-                eng.call("reset")
+                self._reset(eng, mode, c)
                 res = eng.call("run", file=self.wfile, level=c, concurrency=c, tag=f"{mode}-c{c}",
                                timeout_s=o.cell_timeout_s, timeout=o.cell_timeout_s + 300)  # fmt: skip
                 return res, {}
@@ -520,6 +520,11 @@ class Bench:
             shutil.rmtree(disk, ignore_errors=True)
 
     # -- the remote mode ------------------------------------------------------------------------------------------
+    def _reset(self, eng: EngineProcess, mode: str, c: int) -> None:
+        """Empty the engine's prefix cache before a cell (each level starts cold); say so if vLLM refused."""
+        if not eng.call("reset").get("reset"):
+            self.notes.append(f"{mode} c={c}: the engine's prefix cache could not be reset; the cell starts warm")
+
     def _remote_server(self, mode: str):
         from kvprefetch.bench.local_servers import MooncakeMaster, RedisServer
 
@@ -570,7 +575,7 @@ class Bench:
 
             def cell(c: int) -> tuple[dict, dict]:
                 for eng in engines:
-                    eng.call("reset")
+                    self._reset(eng, mode, c)
                 plan = [{"arrival_s": s.arrival_s, "turns": [{"think_s": t.think_s} for t in s.turns]}
                         for s in self.workload.levels[c]]  # fmt: skip
                 res = drive_alternating(engines, plan, c, o.cell_timeout_s, f"{mode}-c{c}", file=self.wfile,

@@ -3,10 +3,12 @@ run's exact sessions replayed on it, mode by mode, to predict each cell's TTFT p
 
 What the calibration takes from the run (all measured by the bench before any mode runs): prefill time of a
 fresh prompt and of new tokens on a cached prefix (together they separate the per-token cost from the
-attention cost), one decode step, the throttled disk read rate, and the engine's own sizes (KV capacity,
-max_num_seqs, token budget). What the replay takes: the same sessions, turns, think times and the prelude
-that populated the disk tier, rebuilt from the run's declared workload; chunks are identified by chained
-hashes of their tokens, exactly as the store keys them. Nothing is fitted to the TTFTs it predicts.
+attention cost), the same prompt reloaded from the DRAM tier (the connector's load rate), decode steps of one
+short sequence, of sixteen short ones (the per-sequence cost) and of four long ones (the KV read rate), the
+throttled disk read rate, and the engine's own sizes (KV capacity, max_num_seqs, token budget). What the
+replay takes: the same sessions, turns, think times and the prelude that populated the disk tier, rebuilt
+from the run's declared workload; chunks are identified by chained hashes of their tokens, exactly as the
+store keys them. Nothing is fitted to the TTFTs it predicts.
 """
 
 from __future__ import annotations
@@ -55,10 +57,14 @@ class Calibration:
     decode_batch: int | None = None  # this many sequences of decode_batch_ctx tokens decoding together ...
     decode_batch_ctx: int | None = None
     decode_batch_step_s: float | None = None  # ... take this long per step
+    decode_wide: int | None = None  # this many short sequences (decode_step_ctx tokens) decoding together ...
+    decode_wide_step_s: float | None = None  # ... take this long per step: the per-sequence cost
+    reload_s: float | None = None  # time to first token of the prompt, `reload_tokens` of it loaded from DRAM
+    reload_tokens: int | None = None
     engine_kv_tokens: int | None = None
     max_num_seqs: int = 256
     dram_bytes: int | None = None
-    host_copy_gbps: float = 8.0  # DRAM pool -> engine KV; a memcpy on the CPU backend (estimate)
+    host_copy_gbps: float = 8.0  # DRAM pool -> engine KV when no reload was measured (a memcpy; estimate)
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
@@ -90,18 +96,20 @@ def _chunked_prefill(budget: int, offset: int, tokens: int) -> tuple[int, float,
 def cpu_deployment(cal: Calibration) -> Deployment:
     """A deployment whose step times reproduce the measured prefills (fresh, and on a cached prefix) and decodes.
 
-    Step time = overhead + max(compute, memory). Compute = (linear FLOPs + attention among new tokens) / F +
-    attention against cached KV / (F * attention efficiency): F and that efficiency come from the two prefill
-    samples (a fresh prompt is mostly the first kind, new tokens on a long prefix mostly the second). Memory =
-    weights + the KV the step reads, at a bandwidth from the two decode samples (a long batch minus a short
-    single sequence: the difference is KV read); the overhead is what is left of the short decode step.
+    Step time = overhead + per-sequence cost x sequences + max(compute, memory). Compute = (linear FLOPs +
+    attention among new tokens) / F + attention against cached KV / (F * attention efficiency): F and that
+    efficiency come from the two prefill samples (a fresh prompt is mostly the first kind, new tokens on a long
+    prefix mostly the second). The per-sequence cost (the serving loop's work per request: inputs, sampling,
+    outputs) is what sixteen short sequences add over one. Memory = weights + the KV the step reads, at a
+    bandwidth from the long batch (less its per-sequence cost); the overhead is what is left of the short
+    decode step. The DRAM tier -> engine rate comes from the reloaded prompt (`_load_bandwidth`).
     """
     model = replace(MODELS[cal.model], kv_bytes_per_token_override=cal.chunk_bytes / cal.chunk_tokens)
     per_token = 2.0 * model.active_params
     per_pair = 4.0 * model.layers * model.heads * model.head_dim
     weights = model.dense_params * model.weight_bytes
     kv_per_token = model.kv_bytes_per_token
-    overhead, bandwidth = cal.decode_step_s, float("inf")
+    overhead, bandwidth, per_seq = cal.decode_step_s, float("inf"), 0.0
     x = y = 0.0  # seconds per FLOP: linear and among new tokens; against cached KV
     for _ in range(5):  # the overhead and the compute rates depend on each other; this settles in a few rounds
         floor = request_overhead(cal, overhead)
@@ -119,11 +127,16 @@ def cpu_deployment(cal: Calibration) -> Deployment:
         mem_short = weights + cal.decode_step_ctx * kv_per_token
         if cal.decode_batch_step_s and cal.decode_batch and cal.decode_batch_ctx:
             mem_batch = weights + cal.decode_batch * cal.decode_batch_ctx * kv_per_token
-            extra = cal.decode_batch_step_s - cal.decode_step_s
+            extra = cal.decode_batch_step_s - cal.decode_step_s - (cal.decode_batch - 1) * per_seq
             if extra > 0:
                 bandwidth = (mem_batch - mem_short) / extra
+        if cal.decode_wide_step_s and cal.decode_wide and cal.decode_wide > 1:
+            wide_kv = (cal.decode_wide - 1) * cal.decode_step_ctx * kv_per_token
+            wide_compute = (cal.decode_wide - 1) * (per_token * x + per_pair * cal.decode_step_ctx * y)
+            wide_extra = cal.decode_wide_step_s - cal.decode_step_s - max(wide_compute, wide_kv / bandwidth)
+            per_seq = max(0.0, wide_extra / (cal.decode_wide - 1))
         compute_short = per_token * x + per_pair * cal.decode_step_ctx * y
-        overhead = max(0.0, cal.decode_step_s - max(compute_short, mem_short / bandwidth))
+        overhead = max(0.0, cal.decode_step_s - max(compute_short, mem_short / bandwidth) - per_seq)
     cpu = Accelerator(
         "this-cpu",
         flops=1.0 / x,
@@ -131,9 +144,10 @@ def cpu_deployment(cal: Calibration) -> Deployment:
         hbm_bw=bandwidth if np.isfinite(bandwidth) else 1e15,
         host_link_bw=cal.host_copy_gbps * 1e9,
         step_overhead_s=overhead,
+        seq_overhead_s=per_seq,
         source="measured by kvprefetch bench (calibration.json)",
     )
-    return Deployment(
+    dep = Deployment(
         model,
         cpu,
         tp=1,
@@ -144,6 +158,25 @@ def cpu_deployment(cal: Calibration) -> Deployment:
         attention_efficiency=x / y,
         kv_capacity_tokens_override=cal.engine_kv_tokens,
     )
+    copy_bw = _load_bandwidth(cal, dep)
+    if copy_bw is None:
+        return dep
+    return replace(dep, accelerator=replace(cpu, host_link_bw=copy_bw))
+
+
+def _load_bandwidth(cal: Calibration, dep: Deployment) -> float | None:
+    """DRAM tier -> engine KV, bytes/s, from the reloaded prompt: its time to first token less the front end and
+    the prefill of the tokens after the loaded ones. This is the connector's whole load path (pinning, copies
+    layer by layer, the threads that do it on the engine's cores), not a bare memcpy."""
+    if not (cal.reload_s and cal.reload_tokens):
+        return None
+    floor = request_overhead(cal, dep.accelerator.step_overhead_s)
+    rest = cal.prompt_tokens - cal.reload_tokens
+    compute = dep.prefill_time(rest, cal.reload_tokens) if rest > 0 else 0.0
+    copy_s = cal.reload_s - floor - compute
+    if copy_s <= 0:  # noise: the load hid under the compute entirely
+        return None
+    return cal.reload_tokens * dep.model.kv_bytes_per_token / copy_s
 
 
 # ---- the bench's workload, as simulator requests -----------------------------------------------------------
@@ -207,6 +240,10 @@ def calibration_from_results(results: dict) -> Calibration:
         decode_batch=cal.get("decode_batch"),
         decode_batch_ctx=cal.get("decode_batch_ctx"),
         decode_batch_step_s=cal.get("decode_batch_step_s"),
+        decode_wide=cal.get("decode_wide"),
+        decode_wide_step_s=cal.get("decode_wide_step_s"),
+        reload_s=cal.get("reload_s"),
+        reload_tokens=cal.get("reload_tokens"),
         engine_kv_tokens=cfg.get("engine_kv_cache_tokens"),
         max_num_seqs=int(cfg.get("max_num_seqs", 256)),
         dram_bytes=cfg.get("dram_tier_bytes"),
@@ -244,6 +281,7 @@ def predict_cells(
                 hbm_cache_blocks=(cal.engine_kv_tokens or dep.kv_capacity_tokens) // size,
                 block_tokens=size,
                 share_prefix_blocks=True,
+                sync_loads_in_step=True,
                 request_overhead_s=request_overhead(cal, dep.accelerator.step_overhead_s),
             )
             out[(mode, c)] = simulate(config, requests).ttft_p(50)

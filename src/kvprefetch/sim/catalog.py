@@ -56,6 +56,7 @@ class Accelerator:
     host_link_bw: float
     step_overhead_s: float
     source: str = ""
+    seq_overhead_s: float = 0.0  # per sequence in a step (serving loop's per-request work); measured for this-cpu
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 from typing import Annotated
 
+import numpy as np
 import typer
 from rich.console import Console
 from rich.progress import Progress
@@ -22,25 +23,36 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def _run_bench_scenario(results_path: Path | None, json_path: Path | None) -> None:
-    """Our own benchmark predicted from its own calibration: every mode x concurrency cell."""
+def _run_bench_scenario(results_paths: list[Path] | None, json_path: Path | None) -> None:
+    """Our own benchmark predicted from its own calibration: every mode x concurrency cell (medians over runs)."""
     import json as jsonlib
 
-    from kvprefetch.sim.report import bench_rows, print_rows, write_json
+    from kvprefetch.sim.report import bench_cells, bench_rows, print_rows, write_json
 
-    if results_path is None or not results_path.exists():
+    missing = [p for p in results_paths or [] if not p.exists()]
+    if not results_paths or missing:
         raise typer.BadParameter(
-            f"--scenario bench needs --bench-results PATH, the results.json of a `kvprefetch bench` run"
-            f" (got {results_path})"
+            f"--scenario bench needs --bench-results PATH (repeatable), the results.json of a `kvprefetch bench`"
+            f" run (missing: {', '.join(map(str, missing)) or 'none given'})"
         )
+    runs = []
+    for path in results_paths:
+        try:
+            runs.append(jsonlib.loads(path.read_text()))
+        except ValueError as err:
+            raise typer.BadParameter(f"{path} is not a usable kvprefetch bench results.json: {err!r}") from None
     try:
-        results = jsonlib.loads(results_path.read_text())
-        rows = bench_rows(results)
-    except (ValueError, KeyError) as err:
-        raise typer.BadParameter(f"{results_path} is not a usable kvprefetch bench results.json: {err!r}") from None
-    print_rows(rows, console, title=f"simulated vs measured ({results_path})")
+        cells = bench_cells(runs)
+    except (ValueError, KeyError, TypeError) as err:
+        raise typer.BadParameter(f"not a usable kvprefetch bench results.json: {err!r}") from None
+    title = "simulated vs measured" + (f" ({results_paths[0]})" if len(runs) == 1 else f", medians of {len(runs)} runs")
+    rows = bench_rows(cells)
+    print_rows(rows, console, title=title)
     within = sum(abs(r.error_pct) <= 20 for r in rows)
     console.print(f"{within} of {len(rows)} cells within 20%")
+    if len(runs) > 1:
+        inside = sum(min(m) <= np.median(p) <= max(m) for m, p in cells.values())
+        console.print(f"{inside} of {len(rows)} predictions inside the range the runs measured")
     if json_path:
         write_json(rows, json_path)
 
@@ -95,7 +107,8 @@ def register(app: typer.Typer) -> None:
             str | None, typer.Option(help="validation scenario, 'all', or 'bench' (with --bench-results)")
         ] = None,
         bench_results: Annotated[
-            Path | None, typer.Option(help="results.json of a `kvprefetch bench` run, for --scenario bench")
+            list[Path] | None,
+            typer.Option(help="results.json of a `kvprefetch bench` run, for --scenario bench (repeat for medians)"),
         ] = None,
         model: str = "qwen3-coder-480b-fp8",
         accelerator: str = "mi308x",

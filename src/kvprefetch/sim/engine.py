@@ -33,6 +33,10 @@ class SimConfig:
     `share_prefix_blocks`: running requests share the KV blocks of a common prefix, as vLLM's prefix caching
     does, so a shared system prompt counts once against the engine's KV capacity (it decides how many requests
     run at once when that capacity is small, as in our CPU bench; on GPU-sized HBM it rarely binds).
+    `sync_loads_in_step`: how `ondemand-sync` loads. True: as our connector's `load_mode: sync` does, the
+    scheduler admits every request that fits and the step that prefills them first loads their KV (storage ->
+    DRAM -> engine, overlapped layer by layer with the step's compute), so the whole batch waits for the loads.
+    False: the whitepaper's baseline as `Policy.ONDEMAND_SYNC` describes it (loads serialised in admission).
     """
 
     deployment: Deployment
@@ -46,6 +50,7 @@ class SimConfig:
     block_tokens: int = 512
     share_prefix_blocks: bool = False
     request_overhead_s: float = 0.0
+    sync_loads_in_step: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -132,6 +137,7 @@ class Simulator:
         self.stall_s = 0.0
         self.steps = 0
         self._recompute_cost: dict[tuple[int, int], float] = {}
+        self.step_floor = 0.0  # the running step cannot end before its in-step loads land
         self._early: dict[int, _Req] = {}
 
     # ---- arrivals and the cache lookup ------------------------------------------------------------
@@ -209,7 +215,12 @@ class Simulator:
         if st.ext_tokens and st.fetched_to_dram_at is None:
             self._fetch_to_dram(st, self.now)
         ext = sum(st.ext_bytes_by_tier.values())
-        if self.cfg.policy is Policy.ONDEMAND_SYNC:
+        if self.cfg.policy is Policy.ONDEMAND_SYNC and self.cfg.sync_loads_in_step:
+            landed = self.host.transfer(max(self.now, st.fetched_to_dram_at or 0.0), ext) if ext else self.now
+            self.stall_s += max(0.0, landed - max(self.now, self.step_floor))
+            self.step_floor = max(self.step_floor, landed)
+            st.kv_ready = self.now  # computed in this very step, which waits for the load
+        elif self.cfg.policy is Policy.ONDEMAND_SYNC:
             st.kv_ready = max(st.kv_ready, self.now)  # loaded while it held the queue head
         else:
             st.kv_ready = self.host.transfer(max(self.now, st.fetched_to_dram_at or 0.0), ext) if ext else self.now
@@ -263,7 +274,8 @@ class Simulator:
             budget -= n
         while budget > 0 and self.waiting and self._can_admit(self.waiting[0]):
             head = self.waiting[0]
-            if self.cfg.policy is Policy.ONDEMAND_SYNC and head.ext_tokens:
+            serial_sync = self.cfg.policy is Policy.ONDEMAND_SYNC and not self.cfg.sync_loads_in_step
+            if serial_sync and head.ext_tokens:
                 if head.fetched_to_dram_at is None:
                     self._start_sync_load(head)  # the scheduler reaches it: its load starts now
                 if head.kv_ready > self.now:
@@ -277,7 +289,7 @@ class Simulator:
             n = min(st.remaining, budget)
             plan.append((st, n))
             budget -= n
-            if self.cfg.policy is Policy.ONDEMAND_SYNC and st.ext_tokens:
+            if serial_sync and st.ext_tokens:
                 break  # the next request is reached on the scheduler's next pass, after this step
         return plan
 
@@ -318,7 +330,8 @@ class Simulator:
 
     def _step(self, plan: list[tuple[_Req, int]]) -> None:
         chunks = [(st.offset, n) for st, n in plan]
-        self.now += self.dep.step_time(chunks, len(self.decoding), self.decode_ctx)
+        self.now = max(self.now + self.dep.step_time(chunks, len(self.decoding), self.decode_ctx), self.step_floor)
+        self.step_floor = 0.0
         self.steps += 1
         self._advance_decodes(1)
         for st, n in plan:

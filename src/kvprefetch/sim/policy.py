@@ -15,6 +15,8 @@ class Policy(StrEnum):
         in the admission queue and the array idles for one engine step per request; the running batch
         keeps decoding. (A load that also stalled every decode would stretch each answer by the loads of
         all requests admitted meanwhile; the whitepaper's TTFT and throughput together rule that out.)
+        Our own connector's sync mode works otherwise, loading inside the step that admits every request
+        that fits: `SimConfig.sync_loads_in_step`, which the bench replay uses.
     ondemand: load when admitted; only that request waits.
     prefetch: storage -> DRAM starts on arrival; DRAM -> HBM when admitted.
     session: like prefetch, but a session's next turn is fetched as soon as the previous turn ends.

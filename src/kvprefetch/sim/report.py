@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -54,15 +55,33 @@ def mooncake_rows(requests: Sequence[Request], trace_name: str) -> list[Row]:
     return rows
 
 
-def bench_rows(results: dict, name: str = "bench") -> list[Row]:
-    """Predicted vs measured TTFT p50 per mode and concurrency of one `kvprefetch bench` run (results.json):
-    "published" holds the measurement; nothing is fitted to it."""
+def bench_cells(runs: Sequence[dict]) -> dict[tuple[str, int], tuple[list[float], list[float]]]:
+    """(measured, predicted) TTFT p50s of every (mode, concurrency) cell over `kvprefetch bench` runs (their
+    results.json), each run predicted from its own calibration; nothing is fitted to the measurements."""
     from kvprefetch.sim.calibration import predict_bench
 
+    cells: dict[tuple[str, int], tuple[list[float], list[float]]] = {}
+    for results in runs:
+        for p in predict_bench(results):
+            if p["measured"]:
+                measured, predicted = cells.setdefault((p["mode"], p["concurrency"]), ([], []))
+                measured.append(p["measured"])
+                predicted.append(p["predicted"])
+    return dict(sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])))
+
+
+def bench_rows(cells: dict[tuple[str, int], tuple[list[float], list[float]]], name: str = "bench") -> list[Row]:
+    """One row per cell: median predicted vs median measured ("published"), the measured range in the note."""
     return [
-        _row(name, f"ttft_p50 {p['mode']} c={p['concurrency']}", p["measured"], p["predicted"], False)
-        for p in predict_bench(results)
-        if p["measured"]
+        _row(
+            name,
+            f"ttft_p50 {mode} c={c}",
+            float(np.median(measured)),
+            float(np.median(predicted)),
+            False,
+            f"{len(measured)} run(s); measured {min(measured):.3g}-{max(measured):.3g} s",
+        )
+        for (mode, c), (measured, predicted) in cells.items()
     ]
 
 
