@@ -46,6 +46,10 @@ def test_two_modes_end_to_end(tmp_path):
     assert rows["recompute"]["loaded_chunks"] == 0 and rows["recompute"]["share_disk"] == 0
     assert rows["prefetch"]["loaded_chunks"] > 0 and rows["prefetch"]["bytes_disk_read"] > 0
     assert rows["prefetch"]["hit_ratio"] > rows["recompute"]["hit_ratio"]
+    cal = results["populate"]["calibration"]
+    # the calibration's reload came back through the connector, and the wide decode ran
+    assert cal["reload_tokens"] >= 256 and cal["reload_s"] > 0 and cal["decode_wide_step_s"] > 0
+    assert not [n for n in results["notes"] if "could not be reset" in n]
     reg = results["regime"]
     assert reg["prefill_tokens_per_s"] > 0 and reg["measured"] > 0 and reg["enforced_by"]
     for f in ("results.json", "report.md", "ttft_p50.png", "throughput.png", "ttft_cdf.png"):
