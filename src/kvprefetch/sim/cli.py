@@ -6,7 +6,6 @@ import time
 from pathlib import Path
 from typing import Annotated
 
-import numpy as np
 import typer
 from rich.console import Console
 from rich.progress import Progress
@@ -51,7 +50,7 @@ def _run_bench_scenario(results_paths: list[Path] | None, json_path: Path | None
     within = sum(abs(r.error_pct) <= 20 for r in rows)
     console.print(f"{within} of {len(rows)} cells within 20%")
     if len(runs) > 1:
-        inside = sum(min(m) <= np.median(p) <= max(m) for m, p in cells.values())
+        inside = sum(min(m) <= r.simulated <= max(m) for r, (m, _) in zip(rows, cells.values(), strict=True))
         console.print(f"{inside} of {len(rows)} predictions inside the range the runs measured")
     if json_path:
         write_json(rows, json_path)

@@ -66,7 +66,7 @@ class Deployment:
         pairs = fresh + cached / self.attention_efficiency
         flops = 2.0 * m.active_params * tokens + self._attn_flops_per_pair() * pairs
         mem = float(self._weight_bytes(tokens)) + kv_read * m.kv_bytes_per_token
-        return self._roofline(flops, mem) + self.accelerator.seq_overhead_s * (n_decode + len(prefill))
+        return self._roofline(flops, mem, n_decode + len(prefill))
 
     def decode_steps(self, n_decode: int, ctx_start: float, steps: int) -> np.ndarray:
         """Times of `steps` decode-only steps in a row, each adding one token to every sequence."""
@@ -74,13 +74,14 @@ class Deployment:
         m = self.model
         flops = 2.0 * m.active_params * n_decode + self._attn_flops_per_pair() * ctx / self.attention_efficiency
         mem = self._weight_bytes(n_decode) + ctx * m.kv_bytes_per_token
-        return self._roofline(flops, mem) + self.accelerator.seq_overhead_s * n_decode
+        return self._roofline(flops, mem, n_decode)
 
-    def _roofline(self, flops, mem):
+    def _roofline(self, flops, mem, seqs: int):
+        """The step's time: the slower of compute and memory, plus its fixed and per-sequence overheads."""
         a = self.accelerator
         compute = flops / (a.flops * self.tp * self.efficiency)
         memory = mem / (a.hbm_bw * self.tp * self.mem_efficiency)
-        return np.maximum(compute, memory) + a.step_overhead_s
+        return np.maximum(compute, memory) + a.step_overhead_s + a.seq_overhead_s * seqs
 
     def prefill_time(self, tokens: int, offset: int = 0) -> float:
         """Seconds to prefill `tokens` after `offset` cached ones, alone, in budget-sized chunks."""
