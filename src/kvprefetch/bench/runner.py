@@ -79,6 +79,7 @@ class BenchOptions:
     io_threads: int = 4
     cell_timeout_s: float = 1800
     keep_cache: bool = False
+    step_log: bool = False  # write every engine step of every cell to <out>/steps/<mode>-c<c>.jsonl
     quick: bool = False
     remote_backend: str = "redis"  # the prefetch-remote mode's server: redis or mooncake
 
@@ -507,7 +508,9 @@ class Bench:
             def cell(c: int) -> tuple[dict, dict]:
                 self._reset(eng, mode, c)
                 res = eng.call("run", file=self.wfile, level=c, concurrency=c, tag=f"{mode}-c{c}",
-                               timeout_s=o.cell_timeout_s, timeout=o.cell_timeout_s + 300)  # fmt: skip
+                               timeout_s=o.cell_timeout_s, timeout=o.cell_timeout_s + 300,
+                               record_steps=o.step_log)  # fmt: skip
+                self._write_steps(mode, c, res.pop("steps", None))
                 return res, {}
 
             self._run_cells(mode, tps, "", cell)
@@ -518,6 +521,14 @@ class Bench:
                 server.kill()
             _remove_pool(pool)
             shutil.rmtree(disk, ignore_errors=True)
+
+    def _write_steps(self, mode: str, c: int, steps: list[dict] | None) -> None:
+        """One JSON line per engine step of the cell (`--step-log`), beside results.json."""
+        if steps is None or self.o.out is None:
+            return
+        folder = Path(self.o.out) / "steps"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{mode}-c{c}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
 
     # -- the remote mode ------------------------------------------------------------------------------------------
     def _reset(self, eng: EngineProcess, mode: str, c: int) -> None:

@@ -52,8 +52,28 @@ def _run_bench_scenario(results_paths: list[Path] | None, json_path: Path | None
     if len(runs) > 1:
         inside = sum(min(m) <= r.simulated <= max(m) for r, (m, _) in zip(rows, cells.values(), strict=True))
         console.print(f"{inside} of {len(rows)} predictions inside the range the runs measured")
+    rows += _step_checks(results_paths, runs)
     if json_path:
         write_json(rows, json_path)
+
+
+def _step_checks(results_paths: list[Path], runs: list[dict]) -> list:
+    """The step model on each run's recorded engine steps (`kvprefetch bench --step-log`), where there are any."""
+    from kvprefetch.sim.report import print_rows, step_rows
+    from kvprefetch.sim.stepcheck import check_run
+
+    rows = []
+    for path, results in zip(results_paths, runs, strict=True):
+        folder = path.parent / "steps"
+        if not folder.is_dir():
+            continue
+        try:
+            found = step_rows(check_run(results, folder), name=f"steps {path.parent.name}")
+        except (ValueError, KeyError, TypeError) as err:
+            raise typer.BadParameter(f"not a usable step log: {err}") from None
+        print_rows(found, console, title=f"engine steps ({folder}): measured vs the step model on the same batches")
+        rows += found
+    return rows
 
 
 def _run_scenario(name: str, trace: Path, json_path: Path | None, plots: Path | None) -> None:

@@ -85,6 +85,21 @@ def bench_rows(cells: dict[tuple[str, int], tuple[list[float], list[float]]], na
     ]
 
 
+def step_rows(checks: dict[tuple[str, int], dict], name: str = "bench-steps") -> list[Row]:
+    """One row per cell and kind of step: the engine's measured seconds ("published") vs the step model's on
+    the same batches (`kvprefetch.sim.stepcheck`)."""
+    rows = []
+    for (mode, c), check in checks.items():
+        waiting, idle = check["sched_ms_waiting"], check["sched_ms_idle"]
+        sched = f"scheduler {idle or 0:.2f} ms/step" + (f", {waiting:.2f} with requests waiting" if waiting else "")
+        for kind in ("decode", "prefill"):
+            t = check[kind]
+            if t.steps and t.model_s > 0:
+                rows.append(_row(name, f"step_s {kind} {mode} c={c}", t.measured_s, t.model_s, False,
+                                 f"{t.steps} steps; {sched}"))  # fmt: skip
+    return rows
+
+
 def print_rows(rows: Sequence[Row], console: Console | None = None, title: str = "simulated vs published") -> None:
     table = Table(title=title)
     for col in ("scenario", "metric", "published", "simulated", "error %", "fitted"):
