@@ -33,14 +33,23 @@ def _evicted_store(open_store, keyer, n_chunks: int, **overrides):
     return store, keys
 
 
-def test_staged_reads_are_byte_identical_and_use_the_staging_buffers(open_store, keyer, huge_pages):
-    store, keys = _evicted_store(open_store, keyer, 24, disk={"staging": "auto"}, io={"threads": 4})
-    handle = store.prefetch(keys)
-    handle.wait()
-    assert all(handle.results().values())
+def _read_back(store, keys) -> None:
+    """Every chunk reads back byte-identical to what was put."""
     out = [np.zeros(CHUNK_BYTES, np.uint8) for _ in keys]
     assert store.get_into(keys, out) == len(keys)
     assert all((o == chunk_payload(k)).all() for o, k in zip(out, keys, strict=True))
+
+
+def _prefetch_and_read_back(store, keys) -> None:
+    handle = store.prefetch(keys)
+    handle.wait()
+    assert all(handle.results().values())
+    _read_back(store, keys)
+
+
+def test_staged_reads_are_byte_identical_and_use_the_staging_buffers(open_store, keyer, huge_pages):
+    store, keys = _evicted_store(open_store, keyer, 24, disk={"staging": "auto"}, io={"threads": 4})
+    _prefetch_and_read_back(store, keys)
     staging = store.disk.staging
     assert staging.reads_staged >= len(keys)
     assert 1 <= len(staging._maps) <= store.config.io.threads
@@ -49,9 +58,7 @@ def test_staged_reads_are_byte_identical_and_use_the_staging_buffers(open_store,
 def test_staging_off_reads_straight_into_the_slots(open_store, keyer):
     store, keys = _evicted_store(open_store, keyer, 4, disk={"staging": "off"})
     assert store.disk.staging is None
-    out = [np.zeros(CHUNK_BYTES, np.uint8) for _ in keys]
-    assert store.get_into(keys, out) == len(keys)
-    assert all((o == chunk_payload(k)).all() for o, k in zip(out, keys, strict=True))
+    _read_back(store, keys)
 
 
 def test_staging_without_enough_huge_pages_lends_nothing_and_switches_off():
@@ -109,9 +116,4 @@ def test_a_wide_cap_lets_reads_overlap():
 
 def test_one_read_in_flight_still_round_trips_every_chunk(open_store, keyer):
     store, keys = _evicted_store(open_store, keyer, 16, disk={"read_inflight_bytes": 1}, io={"threads": 4})
-    handle = store.prefetch(keys)
-    handle.wait()
-    assert all(handle.results().values())
-    out = [np.zeros(CHUNK_BYTES, np.uint8) for _ in keys]
-    assert store.get_into(keys, out) == len(keys)
-    assert all((o == chunk_payload(k)).all() for o, k in zip(out, keys, strict=True))
+    _prefetch_and_read_back(store, keys)
