@@ -132,10 +132,11 @@ class StepRecorder:
         schedule = sched.schedule
 
         def timed(*args, **kwargs):
+            if self.records is None:  # not recording: the plain call
+                return schedule(*args, **kwargs)
             t = time.perf_counter()
             out = schedule(*args, **kwargs)
-            if self.records is not None:
-                self._last = (out, time.perf_counter() - t, len(sched.waiting))
+            self._last = (out, time.perf_counter() - t, len(sched.waiting))
             return out
 
         sched.schedule = timed
