@@ -15,6 +15,7 @@ from kvprefetch.sim.calibration import (
     calibration_from_results,
     chunk_ids,
     cpu_deployment,
+    io_cpu_per_byte,
     level_requests,
     predict_bench,
     rebuild_workload,
@@ -200,3 +201,16 @@ def test_sim_cli_bench_scenario_without_results_is_a_clear_error(tmp_path):
     bad.write_text("{not json")
     res = CliRunner().invoke(app, ["sim", "--scenario", "bench", "--bench-results", str(bad)])
     assert res.exit_code != 0 and "not a usable" in res.output
+
+
+def test_the_prelude_prices_the_connectors_cpu_per_byte_and_cache_modes_pay_it():
+    prelude = {"helper_cpu_s": 0.9, "loaded_chunks": 200, "saved_chunks": 300, "bytes_disk_written": 300 << 20}
+    assert io_cpu_per_byte(prelude, 1 << 20) == pytest.approx(0.9 / (800 << 20))
+    assert io_cpu_per_byte({k: v for k, v in prelude.items() if k != "helper_cpu_s"}, 1 << 20) is None
+    results = _results()
+    plain = {(r["mode"], r["concurrency"]): r["predicted"] for r in predict_bench(results)}
+    results["populate"]["prelude"] = prelude
+    assert calibration_from_results(results).io_cpu_s_per_byte == pytest.approx(0.9 / (800 << 20))
+    charged = {(r["mode"], r["concurrency"]): r["predicted"] for r in predict_bench(results)}
+    assert charged[("recompute", 4)] == plain[("recompute", 4)]  # no connector, no copies
+    assert charged[("ondemand", 4)] > plain[("ondemand", 4)]

@@ -169,3 +169,28 @@ def test_mooncake_hit_ratio_and_full_trace_speed():
     )
     assert res.requests == 3993
     assert time.perf_counter() - started < 60
+
+
+def _one_load(policy: Policy, io_cpu_s_per_byte: float):
+    """One request whose 8k-token context sits on NVMe, plus 1k new tokens and a 16-token answer."""
+    dep = Deployment(MODELS["llama-3-70b"], ACCELERATORS["h100"], tp=4)
+    reqs = context_requests(1, 8192, 1024, 16)
+    tiers = (TierSpec("dram", None, 100e9), TierSpec("nvme", None, 5e9, 1e-4))
+    cfg = SimConfig(
+        dep, policy, tiers, preload={"nvme": reqs[0].hash_ids[:16]}, load_vs_recompute=False,
+        hbm_cache_blocks=0, io_cpu_s_per_byte=io_cpu_s_per_byte,
+    )  # fmt: skip
+    return simulate(cfg, reqs), dep.model.kv_bytes_per_token
+
+
+def test_copies_on_the_compute_cores_delay_the_steps_by_the_bytes_they_move():
+    base, kv_per_token = _one_load(Policy.ONDEMAND, 0.0)
+    slow, _ = _one_load(Policy.ONDEMAND, 1e-9)
+    # the load ran while the engine had nothing else to do: it costs its transfer time, no step time
+    assert slow.first_token[0] == pytest.approx(base.first_token[0])
+    assert slow.bytes_read == base.bytes_read and base.bytes_read["nvme"] > 0
+    # the prompt's two new blocks are saved to DRAM and NVMe; the decode steps after the prefill pay for it
+    saved = 2 * 2 * 512 * kv_per_token
+    assert slow.done[0] - base.done[0] == pytest.approx(1e-9 * saved)
+    # recompute moves nothing, so it is not slowed at all
+    assert _one_load(Policy.RECOMPUTE, 1e-9)[0].done[0] == _one_load(Policy.RECOMPUTE, 0.0)[0].done[0]

@@ -45,7 +45,9 @@ def test_sim_cli_bench_scenario_checks_recorded_steps(tmp_path):
     dep = _dep()
     run = tmp_path / "run"
     (run / "steps").mkdir(parents=True)
-    (run / "results.json").write_text(json.dumps(_results()))
+    results = _results()
+    next(r for r in results["rows"] if (r["mode"], r["concurrency"]) == ("dram", 4))["helper_cpu_s"] = 0.37
+    (run / "results.json").write_text(json.dumps(results))
     decode_s = price_step(dep, DECODE)[1]
     line = json.dumps({"t": 0.0, "s": 1.5 * decode_s, "sched_s": 0.0004, "waiting": 1, "batch": DECODE})
     (run / "steps" / "dram-c4.jsonl").write_text(line + "\n" + line + "\n")
@@ -61,6 +63,7 @@ def test_sim_cli_bench_scenario_checks_recorded_steps(tmp_path):
     step = rows["step_s decode dram c=4"]
     assert step["scenario"] == "steps run" and step["error_pct"] == pytest.approx(100 * (1 / 1.5 - 1))
     assert step["note"].startswith("2 steps;") and "0.40 with requests waiting" in step["note"]
+    assert step["note"].endswith("connector threads 0.37 s CPU in the cell")
     assert sum(r.startswith("ttft_p50") for r in rows) == 8  # the TTFT rows are unchanged
 
 

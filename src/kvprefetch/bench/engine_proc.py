@@ -439,6 +439,44 @@ def _own_cpu_s() -> float | None:
     return t.user + t.system
 
 
+class HelperCpuMeter:
+    """CPU seconds the connector's own threads took since creation: its loads, saves and storage I/O.
+
+    That is the process's CPU less the main thread's and the native threads' (the model's OpenMP workers) and
+    the other Python threads': threads that ended meanwhile (each step's loader) are counted too. On a CPU
+    engine this is time the model did not get; the simulator charges it, per byte moved, to the steps. The
+    threads are read one after another while they run, so a reading is good to a few hundredths of a second.
+    """
+
+    def __init__(self):
+        self.start = _helper_cpu_s()
+
+    def seconds(self) -> float | None:
+        now = _helper_cpu_s()
+        return None if now is None or self.start is None else round(max(0.0, now - self.start), 3)
+
+
+def _helper_cpu_s() -> float | None:
+    """Process CPU seconds not spent by the main thread, by native threads or by Python threads not ours."""
+    total = _own_cpu_s()
+    if total is None:
+        return None
+    ours = {t.native_id for t in threading.enumerate() if t.name.startswith("kvprefetch")}
+    others = 0.0
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) not in ours:  # includes the main thread
+            others += _thread_cpu_s(tid)
+    return total - others
+
+
+def _thread_cpu_s(tid: str) -> float:
+    try:
+        fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0  # the thread ended between the listing and the read
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def _disk_keys(root: Path) -> list[bytes]:
     keys = []
     for f in sorted(root.glob("??/*.kv")):
@@ -647,12 +685,13 @@ def main() -> None:
                 w = workloads[path]
                 sessions = w["prelude"] if cmd["level"] == "prelude" else w["levels"][str(cmd["level"])]
                 before = counters_snapshot()
-                cpu = CpuMeter()
+                cpu, helpers = CpuMeter(), HelperCpuMeter()
                 res = driver.run(sessions, int(cmd["concurrency"]), float(cmd.get("timeout_s", 1800)),
                                  str(cmd.get("tag", cmd["level"])), bool(cmd.get("record_steps")))  # fmt: skip
                 res["foreign_cpu_cores"] = cpu.foreign_cores()
                 if cmd.get("flush"):
                     res["flushed"] = flush_stores()
+                res["helper_cpu_s"] = helpers.seconds()  # after the flush: the write-back is theirs too
                 res["before"], res["after"] = before, counters_snapshot()
                 _reply(res)
             elif op == "serve":

@@ -114,6 +114,7 @@ def cell_metrics(result: dict[str, Any], chunk_tokens: int | None = None) -> dic
         "load_error_chunks": int(counters.get("load_error_chunks", 0)),
         "saved_chunks": int(counters.get("saved_chunks", 0)),
         "foreign_cpu_cores": result.get("foreign_cpu_cores"),
+        "helper_cpu_s": result.get("helper_cpu_s"),
         "ttft_samples_s": sorted(round(x, 6) for x in ttft),
     }
 

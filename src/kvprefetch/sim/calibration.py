@@ -5,7 +5,9 @@ What the calibration takes from the run (all measured by the bench before any mo
 fresh prompt and of new tokens on a cached prefix (together they separate the per-token cost from the
 attention cost), the same prompt reloaded from the DRAM tier (the connector's load rate), decode steps of one
 short sequence, of sixteen short ones (the per-sequence cost) and of four long ones (the KV read rate), the
-throttled disk read rate, and the engine's own sizes (KV capacity, max_num_seqs, token budget). What the
+throttled disk read rate, the engine's own sizes (KV capacity, max_num_seqs, token budget), and the CPU
+seconds the connector's threads spent per byte they moved while the prelude populated the store (on this CPU
+the copies and I/O run on the cores the model computes on, so the replay charges them to the steps). What the
 replay takes: the same sessions, turns, think times and the prelude that populated the disk tier, rebuilt
 from the run's declared workload; chunks are identified by chained hashes of their tokens, exactly as the
 store keys them. Nothing is fitted to the TTFTs it predicts.
@@ -65,6 +67,7 @@ class Calibration:
     max_num_seqs: int = 256
     dram_bytes: int | None = None
     host_copy_gbps: float = 8.0  # DRAM pool -> engine KV when no reload was measured (a memcpy; estimate)
+    io_cpu_s_per_byte: float | None = None  # the connector threads' CPU per byte they moved (the prelude's)
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
@@ -221,9 +224,19 @@ def rebuild_workload(results: dict):
     return build(spec, list(results["config"]["concurrency"]), int(results["model"]["vocab_size"]))
 
 
+def io_cpu_per_byte(prelude: dict, chunk_bytes: int) -> float | None:
+    """The connector threads' CPU seconds per byte they moved in the prelude run (the store's population,
+    before any mode runs): chunks loaded into the engine and saved out of it, disk reads and writes."""
+    cpu = prelude.get("helper_cpu_s")
+    moved = (int(prelude.get("loaded_chunks") or 0) + int(prelude.get("saved_chunks") or 0)) * chunk_bytes
+    moved += int(prelude.get("bytes_disk_read") or 0) + int(prelude.get("bytes_disk_written") or 0)
+    return cpu / moved if cpu is not None and moved > 0 else None
+
+
 def calibration_from_results(results: dict) -> Calibration:
     reg, cfg = results["regime"], results["config"]
-    cal = results.get("populate", {}).get("calibration", {})
+    populate = results.get("populate", {})
+    cal = populate.get("calibration", {})
     return Calibration(
         prefill_tokens_per_s=float(reg["prefill_tokens_per_s"]),
         decode_step_s=float(reg["decode_step_s"]),
@@ -247,6 +260,7 @@ def calibration_from_results(results: dict) -> Calibration:
         engine_kv_tokens=cfg.get("engine_kv_cache_tokens"),
         max_num_seqs=int(cfg.get("max_num_seqs", 256)),
         dram_bytes=cfg.get("dram_tier_bytes"),
+        io_cpu_s_per_byte=io_cpu_per_byte(populate.get("prelude", {}), int(reg["chunk_bytes"])),
     )
 
 
@@ -283,6 +297,7 @@ def predict_cells(
                 share_prefix_blocks=True,
                 sync_loads_in_step=True,
                 request_overhead_s=request_overhead(cal, dep.accelerator.step_overhead_s),
+                io_cpu_s_per_byte=cal.io_cpu_s_per_byte or 0.0,
             )
             out[(mode, c)] = simulate(config, requests).ttft_p(50)
     return out

@@ -37,6 +37,9 @@ class SimConfig:
     scheduler admits every request that fits and the step that prefills them first loads their KV (storage ->
     DRAM -> engine, overlapped layer by layer with the step's compute), so the whole batch waits for the loads.
     False: the whitepaper's baseline as `Policy.ONDEMAND_SYNC` describes it (loads serialised in admission).
+    `io_cpu_s_per_byte`: where the KV moves by CPU copies on the cores that also compute (our CPU bench), every
+    byte moved (storage -> DRAM, DRAM -> engine, and each tier a saved block is written to) delays the next
+    step by this long. 0 where DMA engines move it (GPUs): transfers then only take time on their pipes.
     """
 
     deployment: Deployment
@@ -51,6 +54,7 @@ class SimConfig:
     share_prefix_blocks: bool = False
     request_overhead_s: float = 0.0
     sync_loads_in_step: bool = False
+    io_cpu_s_per_byte: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -139,6 +143,8 @@ class Simulator:
         self._recompute_cost: dict[tuple[int, int], float] = {}
         self.step_floor = 0.0  # the running step cannot end before its in-step loads land
         self._early: dict[int, _Req] = {}
+        self.saved_bytes = 0.0  # blocks written to the tiers after prefill
+        self.io_charged = 0.0  # bytes moved whose CPU time the steps have already paid (io_cpu_s_per_byte)
 
     # ---- arrivals and the cache lookup ------------------------------------------------------------
     def _push(self, t: float, req: Request) -> None:
@@ -323,14 +329,30 @@ class Simulator:
     def _store(self, st: _Req) -> None:
         """After prefill the prompt's full blocks are in HBM and written through to every tier."""
         full = st.req.input_len // self.cfg.block_tokens
+        block_bytes = self.cfg.block_tokens * self.kv_per_token
         for b in st.req.hash_ids[:full]:
             self.hbm.insert(b)
             for cache in self.caches.values():
+                if b not in cache:
+                    self.saved_bytes += block_bytes
                 cache.insert(b)
+
+    def _bytes_moved(self) -> float:
+        return self.host.bytes_moved + sum(p.bytes_moved for p in self.pipes.values()) + self.saved_bytes
+
+    def _io_delay(self) -> float:
+        """CPU time of the copies and I/O issued since the last step, which this step pays (io_cpu_s_per_byte)."""
+        if not self.cfg.io_cpu_s_per_byte:
+            return 0.0
+        moved = self._bytes_moved()
+        delay = (moved - self.io_charged) * self.cfg.io_cpu_s_per_byte
+        self.io_charged = moved
+        return delay
 
     def _step(self, plan: list[tuple[_Req, int]]) -> None:
         chunks = [(st.offset, n) for st, n in plan]
-        self.now = max(self.now + self.dep.step_time(chunks, len(self.decoding), self.decode_ctx), self.step_floor)
+        step = self.dep.step_time(chunks, len(self.decoding), self.decode_ctx) + self._io_delay()
+        self.now = max(self.now + step, self.step_floor)
         self.step_floor = 0.0
         self.steps += 1
         self._advance_decodes(1)
@@ -377,7 +399,7 @@ class Simulator:
         horizon = self._next_event() - self.now
         if np.isfinite(horizon):
             k = min(k, int(np.searchsorted(times, horizon)) + 1)
-        self.now += float(times[k - 1])
+        self.now += float(times[k - 1]) + self._io_delay()
         self.steps += k
         self._advance_decodes(k)
 
@@ -397,6 +419,7 @@ class Simulator:
                 nxt = self._next_event()
                 if not np.isfinite(nxt):
                     raise RuntimeError("simulation stalled with requests left")
+                self.io_charged = self._bytes_moved()  # the copies ran while the engine idled
                 self.now = max(self.now, nxt)
         return self._result()
 

@@ -92,6 +92,8 @@ def step_rows(checks: dict[tuple[str, int], dict], name: str = "bench-steps") ->
     for (mode, c), check in checks.items():
         waiting, idle = check["sched_ms_waiting"], check["sched_ms_idle"]
         sched = f"scheduler {idle or 0:.2f} ms/step" + (f", {waiting:.2f} with requests waiting" if waiting else "")
+        if check.get("helper_cpu_s") is not None:
+            sched += f"; connector threads {check['helper_cpu_s']:.2f} s CPU in the cell"
         for kind in ("decode", "prefill"):
             t = check[kind]
             if t.steps and t.model_s > 0:

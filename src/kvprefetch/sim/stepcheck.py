@@ -4,7 +4,10 @@ A recorded step is a batch (per request: tokens scheduled, tokens already comput
 deployment calibrated from the same run prices that very batch, so the two totals compare step costs alone:
 a TTFT error that these ratios do not show is in the scheduling (admission, queueing), not in the costs.
 The scheduler's own time is split by whether requests were left waiting: vLLM looks the waiting head up in
-the connector again on every step it cannot admit it, a cost the calibration's samples never see.
+the connector again on every step it cannot admit it, a cost the calibration's samples never see. Each cell
+also carries the CPU its connector threads took (the bench's `helper_cpu_s`): the replay charges that work to
+the steps per byte moved, which the step model here leaves out, so it is what a cache mode's measured steps
+may exceed the model by.
 """
 
 from __future__ import annotations
@@ -81,4 +84,8 @@ def check_run(results: dict, folder: Path) -> dict[tuple[str, int], dict]:
     from kvprefetch.sim.calibration import calibration_from_results, cpu_deployment
 
     dep = cpu_deployment(calibration_from_results(results))
-    return {cell: check_cell(dep, records) for cell, records in read_steps(folder).items()}
+    helper = {(r["mode"], r["concurrency"]): r.get("helper_cpu_s") for r in results.get("rows", [])}
+    return {
+        cell: check_cell(dep, records) | {"helper_cpu_s": helper.get(cell)}
+        for cell, records in read_steps(folder).items()
+    }
