@@ -103,8 +103,10 @@ def test_write_outputs(tmp_path):
 
 def test_table_cells_and_unavailable_rows():
     res = _results()
+    res["rows"][2] |= {"helper_cpu_s": 0.37, "foreign_cpu_cores": 0.05}
     cells = row_cells(res["rows"][2])
     assert cells[:4] == ["prefetch", "1", "10", "0.250"]
+    assert cells[-2:] == ["0.37", "0.05"]  # the connector's CPU, then other processes'
     assert "80%" in cells and "3" in cells
     un = row_cells(res["rows"][4])
     assert un[2] == "unavailable" and len(un) == len(cells)

@@ -34,6 +34,7 @@ TABLE_COLUMNS: list[tuple[str, str, str]] = [
     ("prefetch_late", "late", "d"),
     ("prefetch_wasted_chunks", "wasted", "d"),
     ("errors", "err", "d"),
+    ("helper_cpu_s", "conn CPU s", ".2f"),
     ("foreign_cpu_cores", "other CPU", ".2f"),
 ]
 
@@ -161,8 +162,10 @@ def markdown_report(results: dict) -> str:
     lines += ["", "Shares are of prompt tokens: engine = vLLM's own prefix cache, dram/disk = loaded by the "
               "connector (disk: chunks read from disk during the cell), the rest is computed. `pf ok` / `late`: "
               "requests whose prefetch had / had not finished when the scheduler reached them; `wasted`: prefetch "
-              "reads cancelled because their request ended first. `other CPU`: cores other processes kept busy "
-              "during the cell (this machine is shared; timings with a large value are disturbed).", ""]  # fmt: skip
+              "reads cancelled because their request ended first. `conn CPU s`: CPU seconds the connector's own "
+              "threads took (loads, saves, disk I/O; on a CPU engine, time the model did not get). `other CPU`: "
+              "cores other processes kept busy during the cell (this machine is shared; timings with a large value "
+              "are disturbed).", ""]  # fmt: skip
     comp = comparisons(rows)
     if comp:
         lines += ["## prefetch against the baselines, next to the whitepaper", ""]
