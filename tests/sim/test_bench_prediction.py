@@ -168,6 +168,7 @@ def test_sim_cli_bench_scenario_prints_and_writes_rows(tmp_path):
     res = CliRunner().invoke(app, ["sim", "--scenario", "bench", "--bench-results", str(path), "--json", str(out)])
     assert res.exit_code == 0, res.output
     assert "cells within 20%" in res.output
+    assert "did not measure the connector's CPU" in " ".join(res.output.split())  # no prelude measurement
     rows = json.loads(out.read_text())
     assert len(rows) == 8 and all(r["scenario"] == "bench" and not r["fitted"] for r in rows)
 
@@ -176,6 +177,7 @@ def test_sim_cli_bench_scenario_over_several_runs_compares_medians(tmp_path):
     slow = _results()
     for row in slow["rows"]:
         row["ttft_p50_s"] *= 3
+    slow["populate"]["prelude"] = {"helper_cpu_s": 0.6, "loaded_chunks": 400, "saved_chunks": 400}
     paths = []
     for k, results in enumerate((_results(), slow, _results())):
         paths += ["--bench-results", str(tmp_path / f"r{k}.json")]
@@ -184,6 +186,7 @@ def test_sim_cli_bench_scenario_over_several_runs_compares_medians(tmp_path):
     res = CliRunner().invoke(app, ["sim", "--scenario", "bench", *paths, "--json", str(out)])
     assert res.exit_code == 0, res.output
     assert "medians of 3 runs" in res.output and "inside the range the runs measured" in res.output
+    assert "charged to the steps: -, 0.72, - ns/B" in " ".join(res.output.split())  # 0.6 s / 800 MiB
     one = {r["metric"]: r for r in json.loads(out.read_text())}
     base = {f"ttft_p50 {r['mode']} c={r['concurrency']}": r["ttft_p50_s"] for r in _results()["rows"]}
     assert one["ttft_p50 dram c=4"]["published"] == pytest.approx(base["ttft_p50 dram c=4"])  # the median run

@@ -49,12 +49,25 @@ def _run_bench_scenario(results_paths: list[Path] | None, json_path: Path | None
     print_rows(rows, console, title=title)
     within = sum(abs(r.error_pct) <= 20 for r in rows)
     console.print(f"{within} of {len(rows)} cells within 20%")
+    _print_io_cpu(runs)
     if len(runs) > 1:
         inside = sum(min(m) <= r.simulated <= max(m) for r, (m, _) in zip(rows, cells.values(), strict=True))
         console.print(f"{inside} of {len(rows)} predictions inside the range the runs measured")
     rows += _step_checks(results_paths, runs)
     if json_path:
         write_json(rows, json_path)
+
+
+def _print_io_cpu(runs: list[dict]) -> None:
+    """Say what the replays charged the steps for the connector's copies, or that an older run could not tell."""
+    from kvprefetch.sim.calibration import calibration_from_results
+
+    costs = [calibration_from_results(r).io_cpu_s_per_byte for r in runs]
+    if all(k is None for k in costs):
+        console.print("these runs did not measure the connector's CPU (an older bench): copies cost the steps nothing")
+        return
+    each = ", ".join("-" if k is None else f"{k * 1e9:.2f}" for k in costs)
+    console.print(f"connector CPU per byte moved, charged to the steps: {each} ns/B (each run's prelude)")
 
 
 def _step_checks(results_paths: list[Path], runs: list[dict]) -> list:
