@@ -20,6 +20,7 @@ from kvprefetch.sim.report import mooncake_rows, whitepaper_rows
 from kvprefetch.sim.scenarios import FIT, FITTED_BY, PUBLISHED, context_requests, run_whitepaper
 from kvprefetch.sim.tiers import TierSpec
 from kvprefetch.workload import ChatWorkload, generate_chat, read_mooncake_trace
+from kvprefetch.workload.request import Request, TokenRecipe
 
 TRACE = Path(__file__).resolve().parents[2] / "../shared/data/mooncake/synthetic_trace.jsonl"
 
@@ -194,3 +195,21 @@ def test_copies_on_the_compute_cores_delay_the_steps_by_the_bytes_they_move():
     assert slow.done[0] - base.done[0] == pytest.approx(1e-9 * saved)
     # recompute moves nothing, so it is not slowed at all
     assert _one_load(Policy.RECOMPUTE, 1e-9)[0].done[0] == _one_load(Policy.RECOMPUTE, 0.0)[0].done[0]
+
+
+def test_the_engine_caches_the_previous_turn_to_its_own_block_size():
+    # one session of two turns; the second extends the first (1000 tokens: three 256-token blocks and 232 more)
+    dep = Deployment(MODELS["llama-3-70b"], ACCELERATORS["h100"], tp=4)
+    first = Request(0.0, 0, 0, 1000, 4, (1, 2, 3), TokenRecipe("session", 0, 256))
+    second = Request(0.0, 0, 1, 1300, 4, (1, 2, 3, 4, 5), TokenRecipe("session", 0, 256), think_s=0.1)
+
+    def run(engine_block_tokens):
+        cfg = SimConfig(dep, Policy.RECOMPUTE, concurrency=1, block_tokens=256,
+                        engine_block_tokens=engine_block_tokens)  # fmt: skip
+        return simulate(cfg, [first, second])
+
+    blocks, engine = run(None), run(128)
+    # whole 256-token blocks only: 768 of the first turn's tokens; to vLLM's 128-token blocks: 896 of them
+    assert blocks.tokens_from == {"computed": 1000 + 1300 - 768, "hbm": 768}
+    assert engine.tokens_from == {"computed": 1000 + 1300 - 896, "hbm": 896}
+    assert engine.ttft[1] < blocks.ttft[1] and engine.ttft[0] == blocks.ttft[0]

@@ -239,6 +239,7 @@ class Bench:
         self.run_id = uuid.uuid4().hex[:8]
         self.rows: list[dict] = []
         self.notes: list[str] = []
+        self.engine_block_tokens: int | None = None  # vLLM's KV block size, from the populate engine
 
     # -- helpers ------------------------------------------------------------------------------------------------
     def _spec(self, kv_transfer: dict | None, *, cgroup: str | None, env: dict | None = None) -> dict:
@@ -336,7 +337,9 @@ class Bench:
                     self.notes.append(f"prelude: {prelude['errors']} requests failed ({prelude['error_samples']})")
                 self.p.update("measuring disk reads", w.prelude_tokens() / est_tps)
                 counters = eng.call("counters")
-                geo_chunk_bytes = int(eng.call("geometry").get("chunk_bytes") or chunk_bytes_est)
+                geometry = eng.call("geometry")
+                geo_chunk_bytes = int(geometry.get("chunk_bytes") or chunk_bytes_est)
+                self.engine_block_tokens = geometry.get("block_size")
                 native = eng.call("disk_bandwidth", max_chunks=128, seconds=8.0)
                 regime |= {"prefill_tokens_per_s": tps, "decode_step_s": cal.get("decode_step_s"),
                            "calibration_foreign_cpu_cores": cal.get("foreign_cpu_cores"),
@@ -402,6 +405,7 @@ class Bench:
                 "max_model_len": self.max_model_len,
                 "engine_kv_cache_bytes": self.kv_cache_bytes,
                 "engine_kv_cache_tokens": self.kv_cache_bytes // self.model.bytes_per_token,
+                "engine_block_tokens": self.engine_block_tokens,
                 "max_num_seqs": max(o.concurrency),
                 "max_num_batched_tokens": o.max_num_batched_tokens,
                 "engine_args": o.engine_args,

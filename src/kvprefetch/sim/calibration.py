@@ -5,9 +5,10 @@ What the calibration takes from the run (all measured by the bench before any mo
 fresh prompt and of new tokens on a cached prefix (together they separate the per-token cost from the
 attention cost), the same prompt reloaded from the DRAM tier (the connector's load rate), decode steps of one
 short sequence, of sixteen short ones (the per-sequence cost) and of four long ones (the KV read rate), the
-throttled disk read rate, the engine's own sizes (KV capacity, max_num_seqs, token budget), and the CPU
-seconds the connector's threads spent per byte they moved while the prelude populated the store (on this CPU
-the copies and I/O run on the cores the model computes on, so the replay charges them to the steps). What the
+throttled disk read rate, the engine's own sizes (KV capacity, KV block size, max_num_seqs, token budget), and
+the CPU seconds the connector's threads spent per byte they moved while the prelude populated the store (on
+this CPU the copies and I/O run on the cores the model computes on, so the replay charges them to the steps).
+What the
 replay takes: the same sessions, turns, think times and the prelude that populated the disk tier, rebuilt
 from the run's declared workload; chunks are identified by chained hashes of their tokens, exactly as the
 store keys them. Nothing is fitted to the TTFTs it predicts.
@@ -68,6 +69,7 @@ class Calibration:
     dram_bytes: int | None = None
     host_copy_gbps: float = 8.0  # DRAM pool -> engine KV when no reload was measured (a memcpy; estimate)
     io_cpu_s_per_byte: float | None = None  # the connector threads' CPU per byte they moved (the prelude's)
+    engine_block_tokens: int | None = None  # vLLM's KV block size: its prefix cache hits are whole blocks of it
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
@@ -261,6 +263,7 @@ def calibration_from_results(results: dict) -> Calibration:
         max_num_seqs=int(cfg.get("max_num_seqs", 256)),
         dram_bytes=cfg.get("dram_tier_bytes"),
         io_cpu_s_per_byte=io_cpu_per_byte(populate.get("prelude", {}), int(reg["chunk_bytes"])),
+        engine_block_tokens=cfg.get("engine_block_tokens"),
     )
 
 
@@ -298,6 +301,7 @@ def predict_cells(
                 sync_loads_in_step=True,
                 request_overhead_s=request_overhead(cal, dep.accelerator.step_overhead_s),
                 io_cpu_s_per_byte=cal.io_cpu_s_per_byte or 0.0,
+                engine_block_tokens=cal.engine_block_tokens,
             )
             out[(mode, c)] = simulate(config, requests).ttft_p(50)
     return out

@@ -40,6 +40,9 @@ class SimConfig:
     `io_cpu_s_per_byte`: where the KV moves by CPU copies on the cores that also compute (our CPU bench), every
     byte moved (storage -> DRAM, DRAM -> engine, and each tier a saved block is written to) delays the next
     step by this long. 0 where DMA engines move it (GPUs): transfers then only take time on their pipes.
+    `engine_block_tokens`: the engine's own KV block size where it is smaller than `block_tokens` (vLLM's, 128
+    on CPU, 16 on GPU): turns of a session extend the previous turn's prompt, and the engine's prefix cache
+    holds that prompt to its last whole engine block, not only to its last whole `block_tokens` block.
     """
 
     deployment: Deployment
@@ -55,6 +58,7 @@ class SimConfig:
     request_overhead_s: float = 0.0
     sync_loads_in_step: bool = False
     io_cpu_s_per_byte: float = 0.0
+    engine_block_tokens: int | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -63,6 +67,7 @@ class _Req:
     submit: float
     prefix_blocks: list[tuple[int, str]] = field(default_factory=list)
     hbm_tokens: int = 0
+    hbm_tail: int = 0  # of hbm_tokens, those past the last whole block (engine_block_tokens)
     ext_tokens: int = 0
     ext_bytes_by_tier: dict[str, float] = field(default_factory=dict)
     fetched_to_dram_at: float | None = None
@@ -144,6 +149,7 @@ class Simulator:
         self.step_floor = 0.0  # the running step cannot end before its in-step loads land
         self._early: dict[int, _Req] = {}
         self.saved_bytes = 0.0  # blocks written to the tiers after prefill
+        self.session_prompt: dict[int, int] = {}  # each session's last prefilled prompt length
         self.io_charged = 0.0  # bytes moved whose CPU time the steps have already paid (io_cpu_s_per_byte)
 
     # ---- arrivals and the cache lookup ------------------------------------------------------------
@@ -172,6 +178,17 @@ class Simulator:
         st.ext_bytes_by_tier = {}
         for _, where in st.prefix_blocks[n_hbm:]:
             st.ext_bytes_by_tier[where] = st.ext_bytes_by_tier.get(where, 0.0) + size * self.kv_per_token
+        st.hbm_tail = self._cached_tail(st, n_hbm)
+        st.hbm_tokens += st.hbm_tail
+
+    def _cached_tail(self, st: _Req, n_hbm: int) -> int:
+        """The engine caches a session's previous prompt to its own (smaller) block size: when every whole block
+        of that prompt is an engine hit and nothing follows from the tiers, its tail past them is a hit too."""
+        eb = self.cfg.engine_block_tokens
+        prev = self.session_prompt.get(st.req.session_id)
+        if not eb or not prev or not n_hbm or st.ext_tokens or n_hbm != prev // self.cfg.block_tokens:
+            return 0
+        return max(0, min((prev // eb) * eb, st.req.input_len - 1) - n_hbm * self.cfg.block_tokens)
 
     def _arrive(self, t: float, req: Request) -> None:
         self.waiting.append(self._prepare(t, req))
@@ -237,6 +254,7 @@ class Simulator:
         if self.cfg.share_prefix_blocks:
             self.held.update(self._full_blocks(req))
         self.tokens_from["computed"] += st.remaining
+        self.tokens_from["hbm"] += st.hbm_tail
         for b, where in st.prefix_blocks:
             self.tokens_from[where] += self.cfg.block_tokens
             if where == "hbm":
@@ -329,6 +347,7 @@ class Simulator:
     def _store(self, st: _Req) -> None:
         """After prefill the prompt's full blocks are in HBM and written through to every tier."""
         full = st.req.input_len // self.cfg.block_tokens
+        self.session_prompt[st.req.session_id] = st.req.input_len
         block_bytes = self.cfg.block_tokens * self.kv_per_token
         for b in st.req.hash_ids[:full]:
             self.hbm.insert(b)
