@@ -8,10 +8,9 @@ short sequence, of sixteen short ones (the per-sequence cost) and of four long o
 throttled disk read rate, the engine's own sizes (KV capacity, KV block size, max_num_seqs, token budget), and
 the CPU seconds the connector's threads spent per byte they moved while the prelude populated the store (on
 this CPU the copies and I/O run on the cores the model computes on, so the replay charges them to the steps).
-What the
-replay takes: the same sessions, turns, think times and the prelude that populated the disk tier, rebuilt
-from the run's declared workload; chunks are identified by chained hashes of their tokens, exactly as the
-store keys them. Nothing is fitted to the TTFTs it predicts.
+What the replay takes: the same sessions, turns, think times and the prelude that populated the disk tier,
+rebuilt from the run's declared workload; chunks are identified by chained hashes of their tokens, exactly as
+the store keys them. Nothing is fitted to the TTFTs it predicts.
 """
 
 from __future__ import annotations
