@@ -461,9 +461,13 @@ def _helper_cpu_s() -> float | None:
     total = _own_cpu_s()
     if total is None:
         return None
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:  # no /proc: a diagnostic that is missing, never a failed cell
+        return None
     ours = {t.native_id for t in threading.enumerate() if t.name.startswith("kvprefetch")}
     others = 0.0
-    for tid in os.listdir("/proc/self/task"):
+    for tid in tids:
         if int(tid) not in ours:  # includes the main thread
             others += _thread_cpu_s(tid)
     return total - others
