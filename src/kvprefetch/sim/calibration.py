@@ -271,8 +271,9 @@ def predict_cells(
 ) -> dict[tuple[str, int], float]:
     """Predicted TTFT p50 of each (mode, concurrency) cell of the bench, replaying its sessions.
 
-    Per mode, as the bench runs it: a fresh engine prefix cache per level, the prelude's chunks on disk, an
-    empty DRAM tier (`dram` mode: every prelude chunk already in DRAM), and new chunks written through.
+    Per mode, as the bench runs it: a fresh engine prefix cache per level (the engine's KV as vLLM's block pool:
+    that cache is what its free blocks still hold), the prelude's chunks on disk, an empty DRAM tier (`dram` mode:
+    every prelude chunk already in DRAM), and new chunks written through.
     """
     dep = cpu_deployment(cal)
     size = cal.chunk_tokens
@@ -296,7 +297,7 @@ def predict_cells(
                 preload=preload,
                 hbm_cache_blocks=(cal.engine_kv_tokens or dep.kv_capacity_tokens) // size,
                 block_tokens=size,
-                share_prefix_blocks=True,
+                engine_block_pool=True,
                 sync_loads_in_step=True,
                 request_overhead_s=request_overhead(cal, dep.accelerator.step_overhead_s),
                 io_cpu_s_per_byte=cal.io_cpu_s_per_byte or 0.0,

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvprefetch.sim.block_pool import BlockPool
 from kvprefetch.sim.costs import Deployment
 from kvprefetch.sim.policy import Policy
 from kvprefetch.sim.result import SimResult
@@ -30,9 +31,12 @@ class SimConfig:
     `preload` puts block ids in a tier before the run (the "cold reads" of a warm store).
     `request_overhead_s`: latency between a request's submission and its arrival in the engine's queue (the
     serving front end: a small engine's time to first token has a floor of its own).
-    `share_prefix_blocks`: running requests share the KV blocks of a common prefix, as vLLM's prefix caching
-    does, so a shared system prompt counts once against the engine's KV capacity (it decides how many requests
-    run at once when that capacity is small, as in our CPU bench; on GPU-sized HBM it rarely binds).
+    `engine_block_pool`: the engine's KV is vLLM's block pool (`BlockPool`): running requests share the blocks of
+    a common prefix, so a shared system prompt counts once against the capacity, and the prefix cache is what
+    the free blocks still hold, evicted oldest-freed first as requests take blocks; the scheduler looks it up
+    when it admits a request. When the KV is small, as in our CPU bench, this decides both how many requests
+    run at once and which earlier turns are still cached. Otherwise the engine's cache is an LRU of
+    `hbm_cache_blocks` beside the running requests, whose KV is reserved whole.
     `sync_loads_in_step`: how `ondemand-sync` loads. True: as our connector's `load_mode: sync` does, the
     scheduler admits every request that fits and the step that prefills them first loads their KV (storage ->
     DRAM -> engine, overlapped layer by layer with the step's compute), so the whole batch waits for the loads.
@@ -54,7 +58,7 @@ class SimConfig:
     queue_aware_eviction: bool = False
     hbm_cache_blocks: int | None = None
     block_tokens: int = 512
-    share_prefix_blocks: bool = False
+    engine_block_pool: bool = False
     request_overhead_s: float = 0.0
     sync_loads_in_step: bool = False
     io_cpu_s_per_byte: float = 0.0
@@ -76,6 +80,7 @@ class _Req:
     remaining: int = 0
     left_out: int = 0
     reserved: int = 0
+    pool_held: tuple[list[int], int] = ([], 0)  # engine_block_pool: cached block ids held, other tokens held
     first_token: float = float("nan")
     done: float = float("nan")
 
@@ -124,7 +129,10 @@ class Simulator:
         hbm_blocks = config.hbm_cache_blocks
         if hbm_blocks is None:
             hbm_blocks = self.dep.kv_capacity_tokens // config.block_tokens
-        self.hbm = BlockCache(hbm_blocks)
+        self.pool = None
+        if config.engine_block_pool:
+            self.pool = BlockPool(hbm_blocks * config.block_tokens, config.block_tokens)
+        self.hbm = self.pool if self.pool is not None else BlockCache(hbm_blocks)  # what lookups find in the engine
         for name, ids in config.preload.items():
             if name in self.caches:
                 for b in ids:
@@ -139,8 +147,7 @@ class Simulator:
         self.prefilling: list[_Req] = []
         self.decoding: list[_Req] = []
         self.decode_ctx = 0.0
-        self.reserved = 0
-        self.held: Counter[int] = Counter()  # prompt blocks of running requests (share_prefix_blocks)
+        self.reserved = 0  # KV tokens of running requests (without engine_block_pool)
         self.finished: list[_Req] = []
         self.tokens_from: dict[str, int] = {"computed": 0, "hbm": 0} | {t.name: 0 for t in self.tiers}
         self.stall_s = 0.0
@@ -231,10 +238,24 @@ class Simulator:
                     dram.insert(b)
 
     # ---- admission and steps ----------------------------------------------------------------------
+    def _lookup_again(self, st: _Req) -> None:
+        """The scheduler looks the engine's cache up when it admits a request, as vLLM does: engine hits evicted
+        since its arrival now come from a tier (or are computed), blocks cached since are hits. Only what is not
+        in DRAM yet (what prefetch has not already moved) is read from storage now."""
+        fetched = st.fetched_to_dram_at
+        self._lookup(st)
+        if self.cfg.load_vs_recompute and st.ext_tokens:
+            self._maybe_recompute(st)
+        if fetched is not None and st.ext_tokens:
+            self._fetch_to_dram(st, self.now)
+            st.fetched_to_dram_at = max(fetched, st.fetched_to_dram_at or fetched)
+
     def _admit(self, st: _Req) -> None:
         req = st.req
         if self.cfg.queue_aware_eviction and self.tiers:
             self.caches[self.tiers[0].name].unpin(b for b, _ in st.prefix_blocks)
+        if self.pool is not None:
+            self._lookup_again(st)
         if st.ext_tokens and st.fetched_to_dram_at is None:
             self._fetch_to_dram(st, self.now)
         ext = sum(st.ext_bytes_by_tier.values())
@@ -249,36 +270,37 @@ class Simulator:
             st.kv_ready = self.host.transfer(max(self.now, st.fetched_to_dram_at or 0.0), ext) if ext else self.now
         st.offset = st.hbm_tokens + st.ext_tokens
         st.remaining = req.input_len - st.offset
-        st.reserved = self._kv_need(st)
-        self.reserved += st.reserved
-        if self.cfg.share_prefix_blocks:
-            self.held.update(self._full_blocks(req))
+        if self.pool is not None:
+            hits = sum(1 for _, where in st.prefix_blocks if where == "hbm")
+            st.pool_held = self.pool.take(list(self._full_blocks(req)), hits, self._footprint(req))
+        else:
+            st.reserved = req.input_len + req.output_len
+            self.reserved += st.reserved
         self.tokens_from["computed"] += st.remaining
         self.tokens_from["hbm"] += st.hbm_tail
         for b, where in st.prefix_blocks:
             self.tokens_from[where] += self.cfg.block_tokens
-            if where == "hbm":
+            if where == "hbm" and self.pool is None:
                 self.hbm.touch(b)
 
     def _can_admit(self, st: _Req) -> bool:
         running = len(self.prefilling) + len(self.decoding) + len(self.loading)
-        need = self._kv_need(st)
-        return running < self.dep.max_seqs and (self.reserved + need <= self.dep.kv_capacity_tokens or running == 0)
+        if running >= self.dep.max_seqs:
+            return False
+        if self.pool is not None:
+            usable = (st.req.input_len - 1) // self.cfg.block_tokens
+            hits = st.req.hash_ids[: self.pool.cached_prefix(st.req.hash_ids[:usable])]
+            return self.pool.can_take(hits, self._footprint(st.req)) or running == 0
+        need = st.req.input_len + st.req.output_len
+        return self.reserved + need <= self.dep.kv_capacity_tokens or running == 0
+
+    def _footprint(self, req: Request) -> int:
+        """Engine KV tokens a request holds: prompt and answer, in whole engine blocks."""
+        eb = self.cfg.engine_block_tokens or self.cfg.block_tokens
+        return -(-(req.input_len + req.output_len) // eb) * eb
 
     def _full_blocks(self, req: Request) -> tuple[int, ...]:
         return req.hash_ids[: req.input_len // self.cfg.block_tokens]
-
-    def _kv_need(self, st: _Req) -> int:
-        """Engine KV tokens a request adds when admitted: all of it, less blocks running requests share."""
-        need = st.req.input_len + st.req.output_len
-        if self.cfg.share_prefix_blocks:
-            shared = 0
-            for b in self._full_blocks(st.req):
-                if b not in self.held:
-                    break
-                shared += 1
-            need -= shared * self.cfg.block_tokens
-        return need
 
     def _plan(self) -> list[tuple[_Req, int]]:
         budget = self.dep.token_budget - len(self.decoding)
@@ -327,9 +349,8 @@ class Simulator:
     def _finish(self, st: _Req) -> None:
         st.done = self.now
         self.reserved -= st.reserved
-        if self.cfg.share_prefix_blocks:
-            self.held.subtract(self._full_blocks(st.req))
-            self.held += Counter()  # drop the zeros
+        if self.pool is not None:
+            self.pool.release(*st.pool_held)
         self.finished.append(st)
         nxt = self.driver.after(st.req, self.now)
         if nxt is not None:
@@ -350,7 +371,8 @@ class Simulator:
         self.session_prompt[st.req.session_id] = st.req.input_len
         block_bytes = self.cfg.block_tokens * self.kv_per_token
         for b in st.req.hash_ids[:full]:
-            self.hbm.insert(b)
+            if self.pool is None:  # the pool cached them when it admitted the request
+                self.hbm.insert(b)
             for cache in self.caches.values():
                 if b not in cache:
                     self.saved_bytes += block_bytes

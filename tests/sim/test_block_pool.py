@@ -1,0 +1,120 @@
+"""The engine's block pool: vLLM's prefix cache lives in the free blocks and is evicted oldest-freed first;
+the simulator admits requests against it."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvprefetch.sim.block_pool import BlockPool
+from kvprefetch.sim.catalog import ACCELERATORS, MODELS
+from kvprefetch.sim.costs import Deployment
+from kvprefetch.sim.engine import SimConfig, simulate
+from kvprefetch.sim.policy import Policy
+from kvprefetch.workload.request import Request, TokenRecipe
+
+
+def test_freed_blocks_stay_cached_until_allocations_reach_them():
+    pool = BlockPool(6, 1)
+    held = pool.take([1, 2], hits=0, tokens=3)  # a prompt of two full blocks and an output block
+    assert held == ([1, 2], 1)
+    pool.release(*held)
+    assert 1 in pool and 2 in pool and pool.free == 6
+
+    pool.take([], hits=0, tokens=3)  # three never-used blocks are left: nothing cached is evicted
+    assert 1 in pool and 2 in pool
+    pool.take([], hits=0, tokens=2)  # the empty output block goes first, then the prompt's last block
+    assert 1 in pool and 2 not in pool
+    assert pool.cached_prefix([1, 2]) == 1
+
+
+def test_hits_on_free_blocks_are_taken_back_without_evicting():
+    pool = BlockPool(4, 1)
+    pool.release(*pool.take([1, 2, 3], hits=0, tokens=4))
+    assert pool.can_take([1, 2, 3], tokens=4)  # the hits are free blocks: four fit in four
+    held = pool.take([1, 2, 3], hits=3, tokens=4)
+    assert held == ([1, 2, 3], 1) and pool.free == 0
+    assert not pool.can_take([], tokens=1)
+
+
+def test_blocks_in_use_are_shared_and_outlive_their_first_holder():
+    pool = BlockPool(8, 1)
+    first = pool.take([1, 2], hits=0, tokens=3)
+    assert pool.cached_prefix([1, 2, 9]) == 2  # cached as scheduled: the next request hits them
+    assert pool.can_take([1, 2], tokens=3)  # needs one new block only
+    second = pool.take([1, 2], hits=2, tokens=3)
+    assert pool.free == 8 - 4
+    pool.release(*first)
+    pool.take([], hits=0, tokens=pool.free)  # every free block taken: 1 and 2 survive, held by the second
+    assert 1 in pool and 2 in pool
+    pool.release(*second)
+    assert 1 in pool and 2 in pool and pool.free == 3
+
+
+def test_a_duplicate_computed_while_the_first_copy_is_cached_stays_anonymous():
+    pool = BlockPool(8, 1)
+    a = pool.take([1, 2], hits=0, tokens=2)
+    b = pool.take([1, 2], hits=0, tokens=2)  # admitted without hits (looked up before the first existed)
+    assert a == ([1, 2], 0) and b == ([], 2)
+    pool.release(*a)
+    pool.release(*b)
+    assert pool.free == 8 and 1 in pool and 2 in pool
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 12), max_size=4, unique=True), st.integers(0, 3)), max_size=30))
+def test_accounting_holds_under_any_sequence(requests):
+    """Whatever is taken and released, blocks held and free add up to the capacity, and the free queue never
+    holds more than the free blocks."""
+    pool = BlockPool(10, 1)
+    running = []
+    for prompt, extra in requests:
+        hits = pool.cached_prefix(prompt)
+        total = len(prompt) + extra
+        if pool.can_take(prompt[:hits], total):
+            running.append(pool.take(prompt, hits, total))
+        elif running:
+            pool.release(*running.pop(0))
+        assert pool.free + pool.anonymous + len(pool.refs) == pool.capacity
+        assert pool.queued == sum(pool.free_queue.values())
+        assert 0 <= pool.queued <= pool.free
+    for held in running:
+        pool.release(*held)
+    assert pool.free == pool.capacity and not pool.refs and pool.anonymous == 0
+
+
+# ---- the simulator with the engine's KV as a block pool ---------------------------------------------------------
+DEP = Deployment(MODELS["llama-3-70b"], ACCELERATORS["h100"], tp=4)
+RECIPE = TokenRecipe("session", 0, 256)
+
+
+def _run(requests, kv_blocks: int, concurrency: int):
+    cfg = SimConfig(DEP, Policy.RECOMPUTE, concurrency=concurrency, block_tokens=256, hbm_cache_blocks=kv_blocks,
+                    engine_block_pool=True)  # fmt: skip
+    return simulate(cfg, requests)
+
+
+def test_a_previous_turn_is_cached_only_while_the_free_blocks_still_hold_it():
+    """Session A's second turn comes after B and C ran (each request holds 5 blocks: 4 of prompt, 1 partial).
+    C's blocks come from never-used ones first, then from the free queue's head, where A's first turn went
+    first, its last block first. So A's second turn hits its whole first turn in a KV of 20 blocks, the first
+    two blocks of it in 12 (an LRU cache of 12 blocks would still hold all of it), and nothing in 10."""
+    a0 = Request(0.0, 0, 0, 1024, 1, (1, 2, 3, 4), RECIPE)
+    a1 = Request(0.0, 0, 1, 1280, 1, (1, 2, 3, 4, 5), RECIPE, think_s=10.0)
+    b0 = Request(0.0, 1, 0, 1024, 1, (11, 12, 13, 14), RECIPE)
+    c0 = Request(0.0, 2, 0, 1024, 1, (21, 22, 23, 24), RECIPE)
+    for kv_blocks, hit in ((20, 1024), (12, 512), (10, 0)):
+        res = _run([a0, a1, b0, c0], kv_blocks=kv_blocks, concurrency=2)
+        assert res.tokens_from == {"computed": 3 * 1024 + 1280 - hit, "hbm": hit}, kv_blocks
+
+
+def test_running_requests_share_a_common_prefix_against_the_capacity():
+    """Two prompts of four blocks with three in common fit together in eight blocks only because the common
+    ones are held once: both get their first token in the same step."""
+    x = Request(0.0, 0, 0, 1024, 1, (1, 2, 3, 4), RECIPE)
+    y = Request(0.0, 1, 0, 1024, 1, (1, 2, 3, 5), RECIPE)
+    shared = _run([x, y], kv_blocks=8, concurrency=2)
+    assert shared.first_token[0] == shared.first_token[1]
+    assert shared.tokens_from == {"computed": 1024 + 256, "hbm": 768}
+    alone = _run([x, Request(0.0, 1, 0, 1024, 1, (6, 7, 8, 9), RECIPE)], kv_blocks=8, concurrency=2)
+    assert alone.first_token[0] < alone.first_token[1]  # nothing in common: the second waits for the first
