@@ -155,7 +155,10 @@ def test_prediction_covers_every_simulated_cell_and_orders_the_modes():
     pred = {(r["mode"], r["concurrency"]): r["predicted"] for r in rows}
     for c in (1, 4):
         assert pred[("recompute", c)] > 1.5 * pred[("ondemand", c)]
-        assert 0 < pred[("dram", c)] <= 1.05 * pred[("ondemand", c)]  # within a step: loads from DRAM, not disk
+    # alone, a load from DRAM beats one from disk. (At c=4 the order may flip, as it does in half of our bench
+    # runs: the opening burst's DRAM loads all run in one step, which waits for every copy, while the first
+    # disk load done lets its request prefill at once; tests/sim/test_block_pool.py pins that down.)
+    assert 0 < pred[("dram", 1)] < pred[("ondemand", 1)]
     assert pred[("recompute", 4)] > pred[("recompute", 1)]
     for r in rows:
         assert r["error_pct"] == pytest.approx(100 * (r["predicted"] - r["measured"]) / r["measured"])

@@ -3,14 +3,17 @@ the simulator admits requests against it."""
 
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvprefetch.sim.block_pool import BlockPool
 from kvprefetch.sim.catalog import ACCELERATORS, MODELS
 from kvprefetch.sim.costs import Deployment
-from kvprefetch.sim.engine import SimConfig, simulate
+from kvprefetch.sim.engine import SimConfig, Simulator, simulate
 from kvprefetch.sim.policy import Policy
+from kvprefetch.sim.tiers import TierSpec
+from kvprefetch.workload import ChatWorkload, generate_chat
 from kvprefetch.workload.request import Request, TokenRecipe
 
 
@@ -118,3 +121,65 @@ def test_running_requests_share_a_common_prefix_against_the_capacity():
     assert shared.tokens_from == {"computed": 1024 + 256, "hbm": 768}
     alone = _run([x, Request(0.0, 1, 0, 1024, 1, (6, 7, 8, 9), RECIPE)], kv_blocks=8, concurrency=2)
     assert alone.first_token[0] < alone.first_token[1]  # nothing in common: the second waits for the first
+
+
+def _burst(where: tuple[str, ...]):
+    """Two requests at once, sharing a 4-block prefix, each with 4 blocks of its own, every block stored in
+    `where`; loaded as our connector loads (`sync_loads_in_step`)."""
+    x = Request(0.0, 0, 0, 8 * 256 + 10, 2, (1, 2, 3, 4, 5, 6, 7, 8), RECIPE)
+    y = Request(0.0, 1, 0, 8 * 256 + 10, 2, (1, 2, 3, 4, 15, 16, 17, 18), RECIPE)
+    tiers = (TierSpec("dram", None, 8e9), TierSpec("disk", None, 0.5e9, 1e-4))
+    stored = [b for r in (x, y) for b in r.hash_ids]
+    cfg = SimConfig(DEP, Policy.ONDEMAND, tiers, concurrency=2, preload={name: stored for name in where},
+                    load_vs_recompute=False, hbm_cache_blocks=64, block_tokens=256, engine_block_pool=True,
+                    sync_loads_in_step=True)  # fmt: skip
+    return simulate(cfg, [x, y])
+
+
+def test_loads_from_dram_run_in_the_step_and_are_cached_for_the_burst_at_once():
+    """All in DRAM: both are loaded inside one step, so both get their first token at the end of it, and the
+    second finds the shared prefix already cached by the first (vLLM caches blocks as it schedules them)."""
+    res = _burst(("dram", "disk"))
+    assert res.first_token[0] == res.first_token[1]
+    assert res.tokens_from == {"computed": 2 * 10, "hbm": 4 * 256, "dram": 12 * 256, "disk": 0}
+
+
+def test_loads_from_disk_run_beside_the_steps_and_are_cached_once_arrived():
+    """On disk only: each request waits for its own reads and prefills as soon as they land, and the second
+    loads the shared prefix itself (from DRAM, where the first one's reads put it): the first one's blocks are
+    not cached in the engine until its load has arrived."""
+    res = _burst(("disk",))
+    assert res.first_token[0] < res.first_token[1]
+    assert res.tokens_from == {"computed": 2 * 10, "hbm": 0, "dram": 4 * 256, "disk": 12 * 256}
+
+
+def test_a_run_preloaded_with_another_runs_tiers_starts_where_it_ended():
+    """The bench runs its levels one after another on one store: what a level read into DRAM is there for the
+    next. `tier_contents` hands a run's tiers on, least recently used first."""
+    req = Request(0.0, 0, 0, 4 * 256 + 10, 2, (1, 2, 3, 4), RECIPE)
+    tiers = (TierSpec("dram", None, 8e9), TierSpec("disk", None, 0.5e9, 1e-4))
+
+    def run(preload):
+        cfg = SimConfig(DEP, Policy.ONDEMAND, tiers, concurrency=1, preload=preload, load_vs_recompute=False,
+                        hbm_cache_blocks=64, block_tokens=256, engine_block_pool=True)  # fmt: skip
+        sim = Simulator(cfg, [req])
+        return sim.run(), sim.tier_contents()
+
+    first, after = run({"disk": [1, 2, 3, 4]})
+    assert first.tokens_from["disk"] == 4 * 256 and after == {"dram": [1, 2, 3, 4], "disk": [1, 2, 3, 4]}
+    second, _ = run(after)
+    assert second.tokens_from["dram"] == 4 * 256 and second.bytes_read["disk"] == 0
+    assert second.first_token[0] < first.first_token[0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.integers(2, 40), st.sampled_from(list(Policy)), st.booleans())
+def test_every_request_is_served_whatever_the_kv_size(seed, kv_blocks, policy, in_step):
+    """Small or large KV, any policy: every request runs, and its prompt's tokens come from somewhere once."""
+    reqs = generate_chat(ChatWorkload(sessions=5, turns=3, first_user_tokens=1500, concurrency=2, seed=seed))
+    tiers = (TierSpec("dram", 20, 100e9), TierSpec("nvme", None, 5e9, 1e-4))
+    cfg = SimConfig(DEP, policy, tiers, concurrency=2, hbm_cache_blocks=kv_blocks, engine_block_pool=True,
+                    sync_loads_in_step=in_step)  # fmt: skip
+    res = simulate(cfg, reqs)
+    assert res.requests == len(reqs) and np.all(res.first_token >= res.submit)
+    assert sum(res.tokens_from.values()) == sum(r.input_len for r in reqs)

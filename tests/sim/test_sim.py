@@ -101,13 +101,15 @@ def test_recompute_does_no_loads():
     assert res.tokens_from["computed"] == res.input_len.sum()
 
 
-@pytest.mark.parametrize("pool", [False, True], ids=["lru", "block-pool"])
+@pytest.mark.parametrize("engine", ["lru", "block-pool", "block-pool-in-step"])
 @pytest.mark.parametrize("policy", list(Policy))
-def test_requests_are_conserved(policy, pool):
+def test_requests_are_conserved(policy, engine):
     reqs = generate_chat(ChatWorkload(sessions=6, turns=3, first_user_tokens=3000, concurrency=3, seed=2))
     dep = Deployment(MODELS["llama-3-70b"], ACCELERATORS["h100"], tp=4)
     tiers = (TierSpec("dram", 40, 100e9), TierSpec("nvme", None, 5e9, 1e-4))
-    res = simulate(SimConfig(dep, policy, tiers, concurrency=3, hbm_cache_blocks=8, engine_block_pool=pool), reqs)
+    cfg = SimConfig(dep, policy, tiers, concurrency=3, hbm_cache_blocks=8, engine_block_pool=engine != "lru",
+                    sync_loads_in_step=engine.endswith("in-step"))  # fmt: skip
+    res = simulate(cfg, reqs)
     assert res.requests == len(reqs)
     assert np.all(res.first_token >= res.submit) and np.all(res.done >= res.first_token)
     assert sum(res.tokens_from.values()) == sum(r.input_len for r in reqs)

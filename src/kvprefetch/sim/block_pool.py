@@ -50,10 +50,11 @@ class BlockPool:
         in_use = sum(1 for b in hits if b in self.refs)
         return tokens - in_use * self.block_tokens <= self.free
 
-    def take(self, prompt: list[int], hits: int, tokens: int) -> tuple[list[int], int]:
+    def take(self, prompt: list[int], hits: int, tokens: int, cache: bool = True) -> tuple[list[int], int]:
         """Hold a request's KV as the scheduler admits it: the first `hits` of its prompt's full blocks are
-        cached; the rest of its `tokens` are allocated. Its prompt blocks are cached from now on (vLLM caches
-        blocks as it schedules them, so later requests hit them). Returns (cached ids held, other tokens)."""
+        cached; the rest of its `tokens` are allocated. Unless `cache` is False (an asynchronous load: vLLM
+        caches those blocks once they have arrived, `cache_prompt`), its prompt blocks are cached from now on,
+        as vLLM caches blocks when it schedules them. Returns what the request holds: (cached ids, other tokens)."""
         held = list(prompt[:hits])
         for b in held:
             if b not in self.refs:
@@ -62,12 +63,19 @@ class BlockPool:
         new = tokens - hits * self.block_tokens
         self._evict_for(new)
         self.anonymous += new
-        for b in prompt[hits:]:
-            if b not in self:  # else an equal block is cached already: this copy stays anonymous
+        return self.cache_prompt((held, tokens - hits * self.block_tokens), prompt) if cache else (held, new)
+
+    def cache_prompt(self, held: tuple[list[int], int], prompt: list[int]) -> tuple[list[int], int]:
+        """Cache the prompt blocks of a request holding `held` that are not cached yet; returns its new holding.
+        A block whose content is cached already (in use or free) stays an anonymous copy, as in vLLM."""
+        ids, anonymous = list(held[0]), held[1]
+        for b in prompt:
+            if b not in self:  # (what it holds is cached already)
                 self.refs[b] = 1
                 self.anonymous -= self.block_tokens
-                held.append(b)
-        return held, tokens - len(held) * self.block_tokens
+                anonymous -= self.block_tokens
+                ids.append(b)
+        return ids, anonymous
 
     def release(self, held: list[int], anonymous: int) -> None:
         """A request finished: its KV joins the free queue's tail in reverse (its answer first, its prompt's

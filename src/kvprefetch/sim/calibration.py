@@ -25,7 +25,7 @@ import numpy as np
 from kvprefetch.keys import ChunkKeyer, KVNamespace
 from kvprefetch.sim.catalog import MODELS, Accelerator
 from kvprefetch.sim.costs import Deployment
-from kvprefetch.sim.engine import SimConfig, simulate
+from kvprefetch.sim.engine import SimConfig, Simulator
 from kvprefetch.sim.policy import Policy
 from kvprefetch.sim.tiers import TierSpec
 from kvprefetch.workload.request import Request, TokenRecipe
@@ -271,30 +271,32 @@ def predict_cells(
 ) -> dict[tuple[str, int], float]:
     """Predicted TTFT p50 of each (mode, concurrency) cell of the bench, replaying its sessions.
 
-    Per mode, as the bench runs it: a fresh engine prefix cache per level (the engine's KV as vLLM's block pool:
-    that cache is what its free blocks still hold), the prelude's chunks on disk, an empty DRAM tier (`dram` mode:
-    every prelude chunk already in DRAM), and new chunks written through.
+    Per mode, as the bench runs it: one store whose disk tier starts with the prelude's chunks and whose DRAM
+    tier starts empty (`dram` mode: with every prelude chunk), new chunks written through; the levels in the
+    run's order on that same store (so a level finds in DRAM what the levels before it left there, the shared
+    system prompt among it), each with a fresh engine prefix cache (the engine's KV as vLLM's block pool: that
+    cache is what its free blocks still hold).
     """
     dep = cpu_deployment(cal)
     size = cal.chunk_tokens
     prelude = [b for s in workload.prelude for t in s.turns for b in chunk_ids(t.tokens, size)]
     dram_blocks = int(cal.dram_bytes // cal.chunk_bytes) if cal.dram_bytes else None
+    levels = {c: level_requests(sessions, size) for c, sessions in workload.levels.items()}
     out = {}
-    for c in concurrencies:
-        requests = level_requests(workload.levels[c], size)
-        for mode in modes:
-            policy = BENCH_MODES[mode]
-            tiers = (
-                TierSpec("dram", None if policy is Policy.DRAM else dram_blocks, dep.accelerator.host_link_bw),
-                TierSpec("disk", None, cal.disk_read_gbps * 1e9, 1e-4),
-            )
-            preload = {"disk": prelude} | ({"dram": prelude} if policy is Policy.DRAM else {})
+    for mode in modes:
+        policy = BENCH_MODES[mode]
+        tiers = (
+            TierSpec("dram", None if policy is Policy.DRAM else dram_blocks, dep.accelerator.host_link_bw),
+            TierSpec("disk", None, cal.disk_read_gbps * 1e9, 1e-4),
+        )
+        stored = {"disk": prelude} | ({"dram": prelude} if policy is Policy.DRAM else {})
+        for c, requests in levels.items():
             config = SimConfig(
                 dep,
                 policy,
                 tiers,
                 concurrency=c,
-                preload=preload,
+                preload=stored,
                 hbm_cache_blocks=(cal.engine_kv_tokens or dep.kv_capacity_tokens) // size,
                 block_tokens=size,
                 engine_block_pool=True,
@@ -303,7 +305,11 @@ def predict_cells(
                 io_cpu_s_per_byte=cal.io_cpu_s_per_byte or 0.0,
                 engine_block_tokens=cal.engine_block_tokens,
             )
-            out[(mode, c)] = simulate(config, requests).ttft_p(50)
+            sim = Simulator(config, requests)
+            result = sim.run()
+            if c in concurrencies:
+                out[(mode, c)] = result.ttft_p(50)
+            stored = sim.tier_contents() or stored
     return out
 
 

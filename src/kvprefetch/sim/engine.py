@@ -37,10 +37,13 @@ class SimConfig:
     when it admits a request. When the KV is small, as in our CPU bench, this decides both how many requests
     run at once and which earlier turns are still cached. Otherwise the engine's cache is an LRU of
     `hbm_cache_blocks` beside the running requests, whose KV is reserved whole.
-    `sync_loads_in_step`: how `ondemand-sync` loads. True: as our connector's `load_mode: sync` does, the
-    scheduler admits every request that fits and the step that prefills them first loads their KV (storage ->
-    DRAM -> engine, overlapped layer by layer with the step's compute), so the whole batch waits for the loads.
-    False: the whitepaper's baseline as `Policy.ONDEMAND_SYNC` describes it (loads serialised in admission).
+    `sync_loads_in_step`: how loads meet the steps. True: as our connector does, a request whose external hits
+    are all in DRAM when the scheduler admits it is loaded inside the step that prefills it (overlapped layer by
+    layer with the step's compute, so the whole batch waits for those copies), and so is every request under
+    `ondemand-sync` (its `load_mode: sync`: storage -> DRAM -> engine in the step); other loads run beside the
+    steps (the request waits, and with `engine_block_pool` its blocks are cached only once they have arrived,
+    as vLLM caches an asynchronous load's blocks). False: the whitepaper's baseline as `Policy.ONDEMAND_SYNC`
+    describes it (loads serialised in admission), and every other load beside the steps.
     `io_cpu_s_per_byte`: where the KV moves by CPU copies on the cores that also compute (our CPU bench), every
     byte moved (storage -> DRAM, DRAM -> engine, and each tier a saved block is written to) delays the next
     step by this long. 0 where DMA engines move it (GPUs): transfers then only take time on their pipes.
@@ -259,7 +262,8 @@ class Simulator:
         if st.ext_tokens and st.fetched_to_dram_at is None:
             self._fetch_to_dram(st, self.now)
         ext = sum(st.ext_bytes_by_tier.values())
-        if self.cfg.policy is Policy.ONDEMAND_SYNC and self.cfg.sync_loads_in_step:
+        in_dram = st.fetched_to_dram_at is not None and st.fetched_to_dram_at <= self.now
+        if self.cfg.sync_loads_in_step and (self.cfg.policy is Policy.ONDEMAND_SYNC or in_dram):
             landed = self.host.transfer(max(self.now, st.fetched_to_dram_at or 0.0), ext) if ext else self.now
             self.stall_s += max(0.0, landed - max(self.now, self.step_floor))
             self.step_floor = max(self.step_floor, landed)
@@ -271,8 +275,9 @@ class Simulator:
         st.offset = st.hbm_tokens + st.ext_tokens
         st.remaining = req.input_len - st.offset
         if self.pool is not None:
-            hits = sum(1 for _, where in st.prefix_blocks if where == "hbm")
-            st.pool_held = self.pool.take(list(self._full_blocks(req)), hits, self._footprint(req))
+            hits = (st.hbm_tokens - st.hbm_tail) // self.cfg.block_tokens  # the leading blocks found in the engine
+            loading = st.kv_ready > self.now  # its blocks are cached when its KV has arrived (`_plan`)
+            st.pool_held = self.pool.take(list(self._full_blocks(req)), hits, self._footprint(req), not loading)
         else:
             st.reserved = req.input_len + req.output_len
             self.reserved += st.reserved
@@ -309,6 +314,8 @@ class Simulator:
         for st in self.loading:
             if st.kv_ready <= self.now:
                 self.prefilling.append(st)
+                if self.pool is not None:
+                    st.pool_held = self.pool.cache_prompt(st.pool_held, list(self._full_blocks(st.req)))
             else:
                 still.append(st)
         self.loading = still
@@ -471,6 +478,10 @@ class Simulator:
             return
         st.submit = t  # fetched since the previous turn ended; queued only now
         self.waiting.append(st)
+
+    def tier_contents(self) -> dict[str, list[int]]:
+        """Each tier's blocks, least recently used first: a run preloaded with them starts where this one ended."""
+        return {name: list(cache.blocks) for name, cache in self.caches.items()}
 
     def _result(self) -> SimResult:
         done = sorted(self.finished, key=lambda s: s.submit)
