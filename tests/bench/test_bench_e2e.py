@@ -50,6 +50,10 @@ def test_two_modes_end_to_end(tmp_path):
     assert rows["prefetch"]["helper_cpu_s"] >= 0  # measured (a tiny run's may be under one clock tick)
     assert results["calibration"]["io_cpu_s_per_byte"] >= 0  # from the prelude's saves and loads
     assert results["config"]["engine_block_tokens"] == results["calibration"]["engine_block_tokens"] > 0  # vLLM's
+    # the replay finds in the engine's cache and the tiers what vLLM and the connector found
+    for p in results["simulator_prediction"]:
+        assert p["computed_tokens_measured"] > 0, p
+        assert p["computed_tokens_predicted"] == pytest.approx(p["computed_tokens_measured"], rel=0.05), p
     cal = results["populate"]["calibration"]
     # the calibration's reload came back through the connector, and the wide decode ran
     assert cal["reload_tokens"] >= 256 and cal["reload_s"] > 0 and cal["decode_wide_step_s"] > 0

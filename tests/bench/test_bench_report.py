@@ -41,7 +41,11 @@ def _results():
                    "target_read_bps": 1.07e8, "read_bps": 1.1e8, "measured": 10.7},
         "notes": ["dram: 40 of 40 chunks in DRAM before the run"],
         "rows": rows,
-        "simulator_prediction": [{"mode": "prefetch", "concurrency": 8, "predicted": 2.1, "measured": 2.0}],
+        "simulator_prediction": [
+            {"mode": "prefetch", "concurrency": 8, "predicted": 2.1, "measured": 2.0,
+             "computed_tokens_predicted": 5930, "computed_tokens_measured": 5800},
+            {"mode": "dram", "concurrency": 8, "predicted": 1.9, "measured": None},
+        ],
     }  # fmt: skip
 
 
@@ -63,7 +67,8 @@ def test_markdown_report_has_tables_regime_whitepaper_and_missing_modes():
     assert "| 8 | ondemand-sync | -50% | +50% | 2.00x |" in md
     assert "| 8 | recompute | -88% | +200% | 8.00x |" in md
     assert "`lmcache`: unavailable: needs CUDA" in md
-    assert "| prefetch | 8 | 2.100 | 2.000 |" in md
+    assert "| prefetch | 8 | 2.100 | 2.000 | 5930 / 5800 |" in md
+    assert "| dram | 8 | 1.900 | - | - |" in md  # an older run, or a cell that failed
     assert "0.10/0.20/0.30" in md  # load average next to the numbers
     for png in ("ttft_p50.png", "throughput.png", "ttft_cdf.png"):
         assert png in md

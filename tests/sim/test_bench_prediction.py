@@ -162,6 +162,31 @@ def test_prediction_covers_every_simulated_cell_and_orders_the_modes():
     assert pred[("recompute", 4)] > pred[("recompute", 1)]
     for r in rows:
         assert r["error_pct"] == pytest.approx(100 * (r["predicted"] - r["measured"]) / r["measured"])
+        assert r["computed_tokens_measured"] is None  # these made-up rows do not say what the engine computed
+    computed = {(r["mode"], r["concurrency"]): r["computed_tokens_predicted"] for r in rows}
+    for c in (1, 4):  # every cache mode finds the whole prelude in a tier; recompute has only the engine's cache
+        assert computed[("dram", c)] == computed[("ondemand", c)] == computed[("prefetch", c)]
+        assert 0 < computed[("dram", c)] < computed[("recompute", c)]
+
+
+def test_sim_cli_bench_scenario_compares_the_tokens_the_engine_computed(tmp_path):
+    """With the shares a real run measures, the CLI also compares the prompt tokens the engine computed."""
+    results = _results()
+    replayed = {(r["mode"], r["concurrency"]): r["computed_tokens_predicted"] for r in predict_bench(results)}
+    for row in results["rows"]:
+        if (row["mode"], row["concurrency"]) in replayed:
+            row["prompt_tokens"] = 100_000
+            row["share_computed"] = replayed[(row["mode"], row["concurrency"])] / 100_000
+    results["rows"][0]["share_computed"] *= 1.5  # recompute c=1: vLLM computed half as much again
+    path, out = tmp_path / "results.json", tmp_path / "rows.json"
+    path.write_text(json.dumps(results))
+    res = CliRunner().invoke(app, ["sim", "--scenario", "bench", "--bench-results", str(path), "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "7 of 8 cells within 5% of the tokens vLLM computed" in " ".join(res.output.split())
+    rows = {r["metric"]: r for r in json.loads(out.read_text())}
+    first, want = rows["computed_tokens recompute c=1"], replayed[("recompute", 1)]
+    assert first["published"] == round(1.5 * want) and first["simulated"] == want
+    assert rows["computed_tokens dram c=4"]["error_pct"] == 0
 
 
 def test_sim_cli_bench_scenario_prints_and_writes_rows(tmp_path):
@@ -174,6 +199,7 @@ def test_sim_cli_bench_scenario_prints_and_writes_rows(tmp_path):
     assert "did not measure the connector's CPU" in " ".join(res.output.split())  # no prelude measurement
     rows = json.loads(out.read_text())
     assert len(rows) == 8 and all(r["scenario"] == "bench" and not r["fitted"] for r in rows)
+    assert "the engine computed" not in res.output  # the made-up rows have no shares to compare with
 
 
 def test_sim_cli_bench_scenario_over_several_runs_compares_medians(tmp_path):

@@ -184,11 +184,13 @@ def markdown_report(results: dict) -> str:
     preds = results.get("simulator_prediction")
     if preds:
         lines += ["## Simulator (calibrated from this run) vs measured TTFT p50", ""]
-        lines.append("| mode | conc | predicted s | measured s |")
-        lines.append("|---|---:|---:|---:|")
+        lines.append("| mode | conc | predicted s | measured s | computed tokens, replay / vLLM |")
+        lines.append("|---|---:|---:|---:|---:|")
         for p in preds:
             meas = "-" if p.get("measured") is None else f"{p['measured']:.3f}"
-            lines.append(f"| {p['mode']} | {p['concurrency']} | {p['predicted']:.3f} | {meas} |")
+            got, want = p.get("computed_tokens_predicted"), p.get("computed_tokens_measured")
+            tokens = "-" if got is None or want is None else f"{got} / {want}"
+            lines.append(f"| {p['mode']} | {p['concurrency']} | {p['predicted']:.3f} | {meas} | {tokens} |")
         lines.append("")
     missing = {r["mode"]: f"{r.get('status')}: {r.get('reason')}" for r in rows if r.get("status") != "ok"}
     if missing:

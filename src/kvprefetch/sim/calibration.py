@@ -27,6 +27,7 @@ from kvprefetch.sim.catalog import MODELS, Accelerator
 from kvprefetch.sim.costs import Deployment
 from kvprefetch.sim.engine import SimConfig, Simulator
 from kvprefetch.sim.policy import Policy
+from kvprefetch.sim.result import SimResult
 from kvprefetch.sim.tiers import TierSpec
 from kvprefetch.workload.request import Request, TokenRecipe
 
@@ -266,10 +267,10 @@ def calibration_from_results(results: dict) -> Calibration:
     )
 
 
-def predict_cells(
+def replay_cells(
     cal: Calibration, workload, modes: list[str], concurrencies: list[int]
-) -> dict[tuple[str, int], float]:
-    """Predicted TTFT p50 of each (mode, concurrency) cell of the bench, replaying its sessions.
+) -> dict[tuple[str, int], SimResult]:
+    """The replay of each (mode, concurrency) cell of the bench: its sessions on the calibrated engine.
 
     Per mode, as the bench runs it: one store whose disk tier starts with the prelude's chunks and whose DRAM
     tier starts empty (`dram` mode: with every prelude chunk), new chunks written through; the levels in the
@@ -308,23 +309,42 @@ def predict_cells(
             sim = Simulator(config, requests)
             result = sim.run()
             if c in concurrencies:
-                out[(mode, c)] = result.ttft_p(50)
+                out[(mode, c)] = result
             stored = sim.tier_contents() or stored
     return out
 
 
+def measured_computed_tokens(row: dict) -> int | None:
+    """Prompt tokens the engine computed in a bench cell (not found in its prefix cache or a tier)."""
+    if row.get("share_computed") is None or row.get("prompt_tokens") is None:
+        return None
+    return round(float(row["share_computed"]) * int(row["prompt_tokens"]))
+
+
 def predict_bench(results: dict) -> list[dict]:
-    """Predicted vs measured TTFT p50 for every simulated mode and concurrency of one bench run."""
+    """Predicted vs measured TTFT p50 for every simulated mode and concurrency of one bench run, and the prompt
+    tokens the engine computed in each: equal ones mean the replay found in the engine's cache and the tiers what
+    vLLM and the connector found."""
     cal = calibration_from_results(results)
     rows = [r for r in results["rows"] if r.get("status") == "ok" and r.get("ttft_p50_s") is not None]
     modes = sorted({r["mode"] for r in rows} & set(BENCH_MODES))
     levels = sorted({r["concurrency"] for r in rows})
     if not modes:
         return []
-    pred = predict_cells(cal, rebuild_workload(results), modes, levels)
+    replays = replay_cells(cal, rebuild_workload(results), modes, levels)
     out = []
-    for (mode, c), p in sorted(pred.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        meas = next((r["ttft_p50_s"] for r in rows if r["mode"] == mode and r["concurrency"] == c), None)
-        err = 100.0 * (p - meas) / meas if meas else None
-        out.append({"mode": mode, "concurrency": c, "predicted": p, "measured": meas, "error_pct": err})
+    for (mode, c), replay in sorted(replays.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        row = next((r for r in rows if r["mode"] == mode and r["concurrency"] == c), {})
+        p, meas = replay.ttft_p(50), row.get("ttft_p50_s")
+        out.append(
+            {
+                "mode": mode,
+                "concurrency": c,
+                "predicted": p,
+                "measured": meas,
+                "error_pct": 100.0 * (p - meas) / meas if meas else None,
+                "computed_tokens_predicted": int(replay.tokens_from["computed"]),
+                "computed_tokens_measured": measured_computed_tokens(row),
+            }
+        )
     return out

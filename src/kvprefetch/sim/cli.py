@@ -26,6 +26,7 @@ def _run_bench_scenario(results_paths: list[Path] | None, json_path: Path | None
     """Our own benchmark predicted from its own calibration: every mode x concurrency cell (medians over runs)."""
     import json as jsonlib
 
+    from kvprefetch.sim.calibration import predict_bench
     from kvprefetch.sim.report import bench_cells, bench_rows, print_rows, write_json
 
     missing = [p for p in results_paths or [] if not p.exists()]
@@ -41,9 +42,10 @@ def _run_bench_scenario(results_paths: list[Path] | None, json_path: Path | None
         except ValueError as err:
             raise typer.BadParameter(f"{path} is not a usable kvprefetch bench results.json: {err!r}") from None
     try:
-        cells = bench_cells(runs)
+        predictions = [predict_bench(results) for results in runs]
     except (ValueError, KeyError, TypeError) as err:
         raise typer.BadParameter(f"not a usable kvprefetch bench results.json: {err!r}") from None
+    cells = bench_cells(predictions)
     title = "simulated vs measured" + (f" ({results_paths[0]})" if len(runs) == 1 else f", medians of {len(runs)} runs")
     rows = bench_rows(cells)
     print_rows(rows, console, title=title)
@@ -53,9 +55,25 @@ def _run_bench_scenario(results_paths: list[Path] | None, json_path: Path | None
     if len(runs) > 1:
         inside = sum(min(m) <= r.simulated <= max(m) for r, (m, _) in zip(rows, cells.values(), strict=True))
         console.print(f"{inside} of {len(rows)} predictions inside the range the runs measured")
+    rows += _computed_tokens(predictions)
     rows += _step_checks(results_paths, runs)
     if json_path:
         write_json(rows, json_path)
+
+
+def _computed_tokens(predictions: list[list[dict]]) -> list:
+    """The prompt tokens the engine computed, replayed vs measured: where they agree, the replay found in the
+    engine's prefix cache and in the tiers what vLLM and the connector found, and a TTFT error is in the costs."""
+    from kvprefetch.sim.report import bench_cells, bench_rows, print_rows
+
+    cells = bench_cells(predictions, "computed_tokens_measured", "computed_tokens_predicted")
+    if not cells:
+        return []
+    rows = bench_rows(cells, metric="computed_tokens", unit="tokens")
+    print_rows(rows, console, title="prompt tokens the engine computed (the rest came from its cache or a tier)")
+    within = sum(abs(r.error_pct) <= 5 for r in rows)
+    console.print(f"{within} of {len(rows)} cells within 5% of the tokens vLLM computed")
+    return rows
 
 
 def _print_io_cpu(runs: list[dict]) -> None:

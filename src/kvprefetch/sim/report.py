@@ -55,31 +55,37 @@ def mooncake_rows(requests: Sequence[Request], trace_name: str) -> list[Row]:
     return rows
 
 
-def bench_cells(runs: Sequence[dict]) -> dict[tuple[str, int], tuple[list[float], list[float]]]:
-    """(measured, predicted) TTFT p50s of every (mode, concurrency) cell over `kvprefetch bench` runs (their
-    results.json), each run predicted from its own calibration; nothing is fitted to the measurements."""
-    from kvprefetch.sim.calibration import predict_bench
-
+def bench_cells(
+    predictions: Sequence[list[dict]], measured: str = "measured", predicted: str = "predicted"
+) -> dict[tuple[str, int], tuple[list[float], list[float]]]:
+    """(measured, predicted) values of every (mode, concurrency) cell over `kvprefetch bench` runs, from each
+    run's `predict_bench` rows (the run replayed on its own calibration; nothing is fitted to the measurements).
+    By default TTFT p50s; `computed_tokens_measured`/`_predicted` give the prompt tokens the engine computed."""
     cells: dict[tuple[str, int], tuple[list[float], list[float]]] = {}
-    for results in runs:
-        for p in predict_bench(results):
-            if p["measured"]:
-                measured, predicted = cells.setdefault((p["mode"], p["concurrency"]), ([], []))
-                measured.append(p["measured"])
-                predicted.append(p["predicted"])
+    for rows in predictions:
+        for p in rows:
+            if p.get(measured):
+                got, want = cells.setdefault((p["mode"], p["concurrency"]), ([], []))
+                got.append(p[measured])
+                want.append(p[predicted])
     return dict(sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])))
 
 
-def bench_rows(cells: dict[tuple[str, int], tuple[list[float], list[float]]], name: str = "bench") -> list[Row]:
+def bench_rows(
+    cells: dict[tuple[str, int], tuple[list[float], list[float]]],
+    name: str = "bench",
+    metric: str = "ttft_p50",
+    unit: str = "s",
+) -> list[Row]:
     """One row per cell: median predicted vs median measured ("published"), the measured range in the note."""
     return [
         _row(
             name,
-            f"ttft_p50 {mode} c={c}",
+            f"{metric} {mode} c={c}",
             float(np.median(measured)),
             float(np.median(predicted)),
             False,
-            f"{len(measured)} run(s); measured {min(measured):.3g}-{max(measured):.3g} s",
+            f"{len(measured)} run(s); measured {min(measured):.3g}-{max(measured):.3g} {unit}",
         )
         for (mode, c), (measured, predicted) in cells.items()
     ]
