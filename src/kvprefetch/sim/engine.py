@@ -31,12 +31,14 @@ class SimConfig:
     `preload` puts block ids in a tier before the run (the "cold reads" of a warm store).
     `request_overhead_s`: latency between a request's submission and its arrival in the engine's queue (the
     serving front end: a small engine's time to first token has a floor of its own).
+    `hbm_cache_blocks` (default: the deployment's KV capacity): with `engine_block_pool`, the engine's whole KV
+    in blocks; without, the size of its prefix cache beside the running requests (0: none).
     `engine_block_pool`: the engine's KV is vLLM's block pool (`BlockPool`): running requests share the blocks of
     a common prefix, so a shared system prompt counts once against the capacity, and the prefix cache is what
     the free blocks still hold, evicted oldest-freed first as requests take blocks; the scheduler looks it up
     when it admits a request. When the KV is small, as in our CPU bench, this decides both how many requests
-    run at once and which earlier turns are still cached. Otherwise the engine's cache is an LRU of
-    `hbm_cache_blocks` beside the running requests, whose KV is reserved whole.
+    run at once and which earlier turns are still cached. Otherwise the engine's prefix cache is an LRU beside
+    the running requests, whose KV is reserved whole against the deployment's capacity.
     `sync_loads_in_step`: how loads meet the steps. True: as our connector does, a request whose external hits
     are all in DRAM when the scheduler admits it is loaded inside the step that prefills it (overlapped layer by
     layer with the step's compute, so the whole batch waits for those copies), and so is every request under
