@@ -63,7 +63,7 @@ class BlockPool:
         new = tokens - hits * self.block_tokens
         self._evict_for(new)
         self.anonymous += new
-        return self.cache_prompt((held, tokens - hits * self.block_tokens), prompt) if cache else (held, new)
+        return self.cache_prompt((held, new), prompt) if cache else (held, new)
 
     def cache_prompt(self, held: tuple[list[int], int], prompt: list[int]) -> tuple[list[int], int]:
         """Cache the prompt blocks of a request holding `held` that are not cached yet; returns its new holding.

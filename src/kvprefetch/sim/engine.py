@@ -170,11 +170,11 @@ class Simulator:
         heapq.heappush(self.arrivals, (t + self.cfg.request_overhead_s, next(self.seq), req, t))
 
     def _lookup(self, st: _Req) -> None:
-        """Longest prefix of the prompt's blocks found in HBM or any tier, block by block."""
+        """Longest prefix of the prompt's blocks found in HBM or any tier, block by block; external hits that
+        would load slower than they recompute are dropped (`load_vs_recompute`)."""
         size = self.cfg.block_tokens
-        usable = (st.req.input_len - 1) // size  # the last token is always computed
         st.prefix_blocks.clear()
-        for b in st.req.hash_ids[:usable]:
+        for b in self._usable_blocks(st.req):
             if b in self.hbm:
                 st.prefix_blocks.append((b, "hbm"))
                 continue
@@ -192,6 +192,8 @@ class Simulator:
             st.ext_bytes_by_tier[where] = st.ext_bytes_by_tier.get(where, 0.0) + size * self.kv_per_token
         st.hbm_tail = self._cached_tail(st, n_hbm)
         st.hbm_tokens += st.hbm_tail
+        if self.cfg.load_vs_recompute and st.ext_tokens:
+            self._maybe_recompute(st)
 
     def _cached_tail(self, st: _Req, n_hbm: int) -> int:
         """The engine caches a session's previous prompt to its own (smaller) block size: when every whole block
@@ -208,8 +210,6 @@ class Simulator:
     def _prepare(self, t: float, req: Request) -> _Req:
         st = _Req(req, submit=t)
         self._lookup(st)
-        if self.cfg.load_vs_recompute and st.ext_tokens:
-            self._maybe_recompute(st)
         if self.cfg.queue_aware_eviction and self.tiers:
             self.caches[self.tiers[0].name].pin(b for b, _ in st.prefix_blocks)
         if self.cfg.policy.fetches_early and st.ext_tokens:
@@ -249,8 +249,6 @@ class Simulator:
         in DRAM yet (what prefetch has not already moved) is read from storage now."""
         fetched = st.fetched_to_dram_at
         self._lookup(st)
-        if self.cfg.load_vs_recompute and st.ext_tokens:
-            self._maybe_recompute(st)
         if fetched is not None and st.ext_tokens:
             self._fetch_to_dram(st, self.now)
             st.fetched_to_dram_at = max(fetched, st.fetched_to_dram_at or fetched)
@@ -295,8 +293,7 @@ class Simulator:
         if running >= self.dep.max_seqs:
             return False
         if self.pool is not None:
-            usable = (st.req.input_len - 1) // self.cfg.block_tokens
-            hits = st.req.hash_ids[: self.pool.cached_prefix(st.req.hash_ids[:usable])]
+            hits = st.req.hash_ids[: self.pool.cached_prefix(self._usable_blocks(st.req))]
             return self.pool.can_take(hits, self._footprint(st.req)) or running == 0
         need = st.req.input_len + st.req.output_len
         return self.reserved + need <= self.dep.kv_capacity_tokens or running == 0
@@ -308,6 +305,10 @@ class Simulator:
 
     def _full_blocks(self, req: Request) -> tuple[int, ...]:
         return req.hash_ids[: req.input_len // self.cfg.block_tokens]
+
+    def _usable_blocks(self, req: Request) -> tuple[int, ...]:
+        """The prompt's blocks a cache hit may cover: the last token is always computed (it gives the logits)."""
+        return req.hash_ids[: (req.input_len - 1) // self.cfg.block_tokens]
 
     def _plan(self) -> list[tuple[_Req, int]]:
         budget = self.dep.token_budget - len(self.decoding)
