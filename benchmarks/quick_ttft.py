@@ -81,7 +81,8 @@ def run_child(spec: dict) -> dict:
     import random
 
     rng = random.Random(12345)
-    warm = [{"prompt_token_ids": [rng.randrange(4, spec["vocab"]) for _ in range(768)]} for _ in range(2)]
+    n_warm = min(768, spec["max_model_len"] - 8)  # a short workload's max_model_len can be below 768
+    warm = [{"prompt_token_ids": [rng.randrange(4, spec["vocab"]) for _ in range(n_warm)]} for _ in range(2)]
     llm.generate(warm, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), use_tqdm=False)
     w = spec["workload"]
     reqs = generate_chat(ChatWorkload(
@@ -139,6 +140,9 @@ def run_child(spec: dict) -> dict:
             cost = c.cost_snapshot() or cost
             if c.counters.role == "scheduler" and c.store is not None:
                 store = c.store.stats().get("store")
+                # the pool is this mode's alone, and a named shm pool outlives its process: unlink it (the mapping
+                # stays valid until this child exits)
+                c.store.dram.path.unlink(missing_ok=True)
     return {"results": results, "wall_s": wall, "startup_s": startup_s, "steps": steps,
             "step_s_max": max(step_s, default=0.0), "step_s_sum": sum(step_s), "counters": counters, "cost": cost,
             "store": store}

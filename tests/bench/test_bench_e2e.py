@@ -58,6 +58,13 @@ def test_two_modes_end_to_end(tmp_path):
     # the calibration's reload came back through the connector, and the wide decode ran
     assert cal["reload_tokens"] >= 256 and cal["reload_s"] > 0 and cal["decode_wide_step_s"] > 0
     assert not [n for n in results["notes"] if "could not be reset" in n]
+    # each mode's engine was calibrated too, after its cells; the simulator's calibration pools all three engines
+    own = results["mode_calibrations"]
+    assert set(own) == {"recompute", "prefetch"}
+    assert all(c["prefill_tokens_per_s"] > 0 and c["decode_step_s"] > 0 for c in own.values())
+    assert [c["prefill_not_fresh"] for c in (cal, *own.values())] == [0, 0, 0]  # each engine's prompts its own
+    assert own["prefetch"]["reload_tokens"] >= 256 and not own["recompute"]["reload_tokens"]  # no connector, no tier
+    assert results["calibration"]["engines"] == 3
     reg = results["regime"]
     assert reg["prefill_tokens_per_s"] > 0 and reg["measured"] > 0 and reg["enforced_by"]
     for f in ("results.json", "report.md", "ttft_p50.png", "throughput.png", "ttft_cdf.png"):

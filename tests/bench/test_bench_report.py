@@ -74,6 +74,21 @@ def test_markdown_report_has_tables_regime_whitepaper_and_missing_modes():
         assert png in md
 
 
+def test_report_lists_each_engines_calibration_beside_the_medians_the_replay_took():
+    results = _results()
+    assert "Calibrated on" not in markdown_report(results)  # one engine's calibration: nothing to compare
+    results["populate"] = {"calibration": {"prefill_tokens_per_s": 12000.0, "decode_step_s": 0.004}}
+    results["mode_calibrations"] = {
+        "recompute": {"prefill_tokens_per_s": 15500.0, "decode_step_s": 0.003, "decode_batch_step_s": 0.0062},
+        "prefetch": {"prefill_tokens_per_s": 9000.0, "decode_step_s": 0.006},
+    }
+    results["calibration"] = {"prefill_tokens_per_s": 12000.0, "decode_step_s": 0.004, "decode_batch_step_s": 0.0062}
+    md = markdown_report(results)
+    assert "Calibrated on 3 engines" in md
+    assert "| recompute | 15500 | 3.0 | 6.2 |" in md and "| prefetch | 9000 | 6.0 | - |" in md
+    assert "| **median (the replay's)** | 12000 | 4.0 | 6.2 |" in md
+
+
 def test_write_outputs(tmp_path):
     res = _results() | {
         "calibration": {

@@ -169,6 +169,28 @@ def test_prediction_covers_every_simulated_cell_and_orders_the_modes():
         assert 0 < computed[("dram", c)] < computed[("recompute", c)]
 
 
+def test_calibration_pools_every_engines_speeds_by_their_median():
+    """The populating engine and each mode's engine measured the speeds; the replay takes each one's median, so
+    one lucky or unlucky engine does not shift every prediction of the run."""
+    results = _results()
+    base = results["populate"]["calibration"] | {"prefill_tokens_per_s": 11000.0, "decode_step_s": 0.004}
+    results["populate"]["calibration"] = base
+    alone = calibration_from_results(results)
+    assert alone.engines == 1 and alone.prefill_tokens_per_s == 11000.0
+    fast = base | {"prefill_tokens_per_s": 30000.0, "decode_step_s": 0.002, "extend_s": 0.02, "reload_s": 0.03}
+    slow = base | {"prefill_tokens_per_s": 8000.0, "decode_step_s": 0.006, "extend_s": 0.06, "reload_s": 0.09}
+    results["mode_calibrations"] = {"ondemand": fast, "prefetch": slow}
+    pooled = calibration_from_results(results)
+    assert pooled.engines == 3
+    assert replace(pooled, engines=1) == alone  # the middle engine's speeds, every one of them
+    assert predict_bench(results) == predict_bench(results | {"mode_calibrations": {}})
+    # an engine without a tier (recompute's) has no reload: the reload is the median of the engines that had one
+    no_tier = fast | {"reload_s": None, "reload_tokens": None}
+    results["mode_calibrations"] = {"recompute": no_tier, "prefetch": slow}
+    pooled = calibration_from_results(results)
+    assert pooled.prefill_tokens_per_s == 11000.0 and pooled.reload_s == pytest.approx((0.05 + 0.09) / 2)
+
+
 def test_sim_cli_bench_scenario_compares_the_tokens_the_engine_computed(tmp_path):
     """With the shares a real run measures, the CLI also compares the prompt tokens the engine computed."""
     results = _results()
@@ -207,6 +229,7 @@ def test_sim_cli_bench_scenario_over_several_runs_compares_medians(tmp_path):
     for row in slow["rows"]:
         row["ttft_p50_s"] *= 3
     slow["populate"]["prelude"] = {"helper_cpu_s": 0.6, "loaded_chunks": 400, "saved_chunks": 400}
+    slow["mode_calibrations"] = {"prefetch": slow["populate"]["calibration"], "dram": slow["populate"]["calibration"]}
     paths = []
     for k, results in enumerate((_results(), slow, _results())):
         paths += ["--bench-results", str(tmp_path / f"r{k}.json")]
@@ -216,6 +239,7 @@ def test_sim_cli_bench_scenario_over_several_runs_compares_medians(tmp_path):
     assert res.exit_code == 0, res.output
     assert "medians of 3 runs" in res.output and "inside the range the runs measured" in res.output
     assert "charged to the steps: -, 0.72, - ns/B" in " ".join(res.output.split())  # 0.6 s / 800 MiB
+    assert "median over the run's engines (1, 3, 1 engines" in " ".join(res.output.split())
     one = {r["metric"]: r for r in json.loads(out.read_text())}
     base = {f"ttft_p50 {r['mode']} c={r['concurrency']}": r["ttft_p50_s"] for r in _results()["rows"]}
     assert one["ttft_p50 dram c=4"]["published"] == pytest.approx(base["ttft_p50 dram c=4"])  # the median run

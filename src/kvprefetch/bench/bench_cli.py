@@ -75,7 +75,10 @@ def register(app: typer.Typer) -> None:
             Path | None, typer.Option(help="Output directory (default: bench-results/<timestamp>/).")
         ] = None,
         quick: Annotated[
-            bool, typer.Option("--quick", help="Two concurrency levels, fewer sessions (~5 min here).")
+            bool,
+            typer.Option(
+                "--quick", help="Two concurrency levels, fewer sessions, one engine calibrated (~5 min here)."
+            ),
         ] = False,
         trace: Annotated[
             Path | None, typer.Option(help="Replay a Mooncake-format trace instead of synthetic chat.")
@@ -170,6 +173,7 @@ def register(app: typer.Typer) -> None:
             opts.modes = modes
         if quick:
             opts.concurrency = list(QUICK_CONCURRENCY)
+            opts.calibrate_modes = False
             opts.chat = replace(opts.chat, min_sessions=2, sessions_per_concurrency=1.0)
         if concurrency:
             opts.concurrency = parse_list(concurrency)

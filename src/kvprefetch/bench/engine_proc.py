@@ -286,7 +286,7 @@ def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
     return [rng.randrange(4, vocab) for _ in range(n)]
 
 
-def calibrate(driver: Driver, prompt_tokens: int, repeats: int, decode_tokens: int, vocab: int) -> dict:
+def calibrate(driver: Driver, prompt_tokens: int, repeats: int, decode_tokens: int, vocab: int, seed: int = 0) -> dict:
     """Prefill and decode speeds of this engine, as the simulator's calibration needs them.
 
     - prefill of a fresh prompt, alone (``prefill_tokens_per_s``);
@@ -299,20 +299,25 @@ def calibrate(driver: Driver, prompt_tokens: int, repeats: int, decode_tokens: i
       (``decode_wide_step_s``: the per-sequence cost of a step) and of four long ones together
       (``decode_batch_step_s``: with the others, the time to read the batch's KV).
 
+    `seed` picks the prompts: an engine whose store holds another engine's calibration (a mode's engine on a copy
+    of the populated disk tier) needs prompts of its own, or its "fresh" prefill is a load.
+
     Every sample starts once the previous one's KV is saved (the store flushed), so no write-back runs beside it.
     The fastest sample is the estimate: on a shared machine other processes only ever slow a sample down, and
     the CPU time they took during the calibration is reported next to it (``foreign_cpu_cores``).
     """
     cpu0 = CpuMeter()
-    speeds, extends, reloads = [], [], []
+    speeds, extends, reloads, not_fresh = [], [], [], 0
     extend_tokens = 256
     for k in range(repeats):
-        prompt = random_prompt(prompt_tokens, vocab, 1000 + k)
-        ttft = _ttft(driver, f"cal{k}", prompt)
-        if ttft is not None:
-            speeds.append(prompt_tokens / ttft)
+        prompt = random_prompt(prompt_tokens, vocab, seed + 1000 + k)
+        rec = _first_token(driver, f"cal{k}", prompt)
+        if rec is not None and rec.get("cached_tokens"):  # found in a cache: a load, not a prefill
+            not_fresh += 1
+        elif rec is not None:
+            speeds.append(prompt_tokens / (rec["first_token"] - rec["arrival"]))
         flush_stores()
-        ttft = _ttft(driver, f"ext{k}", prompt + random_prompt(extend_tokens, vocab, 2000 + k))
+        ttft = _ttft(driver, f"ext{k}", prompt + random_prompt(extend_tokens, vocab, seed + 2000 + k))
         if ttft is not None:
             extends.append(ttft)
         flush_stores()
@@ -322,25 +327,28 @@ def calibrate(driver: Driver, prompt_tokens: int, repeats: int, decode_tokens: i
                 reloads.append((rec["first_token"] - rec["arrival"], int(rec["cached_external"])))
     floors = []
     for k in range(repeats):
-        ttft = _ttft(driver, f"floor{k}", random_prompt(16, vocab, 4000 + k))
+        ttft = _ttft(driver, f"floor{k}", random_prompt(16, vocab, seed + 4000 + k))
         if ttft is not None:
             floors.append(ttft)
     steps = []
     for k in range(2):
-        d = _one_turn(f"dec{k}", random_prompt(256, vocab, 900 + k), decode_tokens)
+        d = _one_turn(f"dec{k}", random_prompt(256, vocab, seed + 900 + k), decode_tokens)
         itl = sorted(driver.run([d], 1, 600, f"dec{k}")["records"][0]["itl"])
         if itl:
             steps.append(itl[len(itl) // 2])
     wide = 16
-    short = [_one_turn(f"decw{k}", random_prompt(256, vocab, 950 + k), decode_tokens) for k in range(wide)]
+    short = [_one_turn(f"decw{k}", random_prompt(256, vocab, seed + 950 + k), decode_tokens) for k in range(wide)]
     wide_itl = _together_itl(driver.run(short, wide, 600, "decw")["records"])
     batch = 4
-    long = [_one_turn(f"decb{k}", random_prompt(prompt_tokens, vocab, 3000 + k), decode_tokens) for k in range(batch)]
+    long = [
+        _one_turn(f"decb{k}", random_prompt(prompt_tokens, vocab, seed + 3000 + k), decode_tokens) for k in range(batch)
+    ]
     batch_itl = _together_itl(driver.run(long, batch, 600, "decb")["records"])
     reload_s, reload_tokens = min(reloads) if reloads else (None, None)
     return {
         "prefill_tokens_per_s": max(speeds) if speeds else None,
         "prefill_samples": speeds,
+        "prefill_not_fresh": not_fresh,  # samples dropped: the prompt was already cached (see `seed`)
         "prompt_tokens": prompt_tokens,
         "extend_tokens": extend_tokens,
         "extend_offset": prompt_tokens,
@@ -717,7 +725,8 @@ def main() -> None:
                     cmd["tokens"], cmd["vocab"], 500 + k), "max_tokens": 4}]} for k in range(cmd["n"])]  # fmt: skip
                 _reply(driver.run(sessions, cmd["n"], 600, "warm") | {"records": []})
             elif op == "calibrate":
-                _reply(calibrate(driver, cmd["prompt_tokens"], cmd["repeats"], cmd["decode_tokens"], cmd["vocab"]))
+                names = ("prompt_tokens", "repeats", "decode_tokens", "vocab", "seed")
+                _reply(calibrate(driver, **{k: cmd[k] for k in names if k in cmd}))
             elif op == "reset":
                 _reply({"reset": _reset_prefix_cache(engine)})
             elif op == "flush":

@@ -184,6 +184,7 @@ def markdown_report(results: dict) -> str:
     preds = results.get("simulator_prediction")
     if preds:
         lines += ["## Simulator (calibrated from this run) vs measured TTFT p50", ""]
+        lines += _calibration_lines(results)
         lines.append("| mode | conc | predicted s | measured s | computed tokens, replay / vLLM |")
         lines.append("|---|---:|---:|---:|---:|")
         for p in preds:
@@ -200,6 +201,26 @@ def markdown_report(results: dict) -> str:
     lines += ["## Plots", "", "![TTFT p50](ttft_p50.png)", "![throughput](throughput.png)",
               "![TTFT CDF](ttft_cdf.png)", ""]  # fmt: skip
     return "\n".join(lines)
+
+
+def _calibration_lines(results: dict) -> list[str]:
+    """Each engine's calibrated speeds, and the medians the replay takes: how noisy one engine's would have been."""
+    first = results.get("populate", {}).get("calibration") or {}
+    engines = {"populate": first} | (results.get("mode_calibrations") or {})
+    if len(engines) < 2:
+        return []
+    pooled = {"**median (the replay's)**": results.get("calibration") or {}}
+    lines = ["| engine | prefill tok/s | decode step ms | 4 long decoding, step ms |", "|---|---:|---:|---:|"]
+    for name, cal in (engines | pooled).items():
+        prefill = _num(cal.get("prefill_tokens_per_s"), 1, ".0f")
+        step, batch = _num(cal.get("decode_step_s"), 1e3, ".1f"), _num(cal.get("decode_batch_step_s"), 1e3, ".1f")
+        lines.append(f"| {name} | {prefill} | {step} | {batch} |")
+    head = f"Calibrated on {len(engines)} engines: the populating one, and each simulated mode's after its cells."
+    return [head, "", *lines, ""]
+
+
+def _num(x, scale: float, fmt: str) -> str:
+    return "-" if x is None else format(x * scale, fmt)
 
 
 def _load(x) -> str:

@@ -7,7 +7,9 @@ Phases (the live display shows each, with an ETA):
    disk -> DRAM reads, sets the regime's read throttle and measures them again (the regime obtained).
 2. **modes**: per mode, a new engine on its own hard-linked copy of that disk tier (so no mode sees another's
    writes) and an empty DRAM pool of its own; warm-up; `dram` mode then reads the whole disk tier into DRAM;
-   then each concurrency level on its own sessions, the engine's prefix cache reset in between.
+   then each concurrency level on its own sessions, the engine's prefix cache reset in between; then, for the
+   modes the simulator replays, phase 1's speed measurements once more in that engine (the replay's calibration
+   pools every engine's).
 3. **report**: results.json, report.md, plots, the terminal table.
 """
 
@@ -54,11 +56,13 @@ from kvprefetch.bench.workloads import (
     reuse_summary,
     trace_workload,
 )
+from kvprefetch.sim.calibration import BENCH_MODES
 
 PACKAGED_MODEL = Path(__file__).with_name("models") / "tiny-llama"
 DEFAULT_MODES = ["recompute", "ondemand", "ondemand-sync", "prefetch", "dram", "vllm-example", "lmcache"]
 DEFAULT_CONCURRENCY = [1, 4, 8, 16]
 QUICK_CONCURRENCY = [2, 8]
+CALIBRATE_EST_S = 15.0  # one engine's calibration (engine_proc.calibrate), for the progress bar's ETA
 
 
 @dataclass
@@ -81,6 +85,7 @@ class BenchOptions:
     keep_cache: bool = False
     step_log: bool = False  # write every engine step of every cell to <out>/steps/<mode>-c<c>.jsonl
     quick: bool = False
+    calibrate_modes: bool = True  # measure each simulated mode's engine too, after its cells (~15 s each)
     remote_backend: str = "redis"  # the prefetch-remote mode's server: redis or mooncake
 
 
@@ -240,6 +245,8 @@ class Bench:
         self.rows: list[dict] = []
         self.notes: list[str] = []
         self.engine_block_tokens: int | None = None  # vLLM's KV block size, from the populate engine
+        self.calibrate_args: dict[str, int] = {}
+        self.mode_calibrations: dict[str, dict] = {}  # the simulated modes' engines, each after its cells
 
     # -- helpers ------------------------------------------------------------------------------------------------
     def _spec(self, kv_transfer: dict | None, *, cgroup: str | None, env: dict | None = None) -> dict:
@@ -295,7 +302,8 @@ class Bench:
         est_tps = 3000.0
         self.p.plan(25 + 15 + w.prelude_tokens() / est_tps + 20)
         for m in running:
-            self.p.plan(25 * (2 if m in TWO_INSTANCE_MODES else 1)
+            calibrate = CALIBRATE_EST_S if m in BENCH_MODES and o.calibrate_modes else 0.0
+            self.p.plan(25 * (2 if m in TWO_INSTANCE_MODES else 1) + calibrate
                         + sum(self._cell_estimate(m, c, est_tps) for c in o.concurrency))  # fmt: skip
 
         throttle, why = (None, "regime native") if o.regime is None else make_throttle(self.work, f"kvb-{self.run_id}")
@@ -324,10 +332,9 @@ class Bench:
             eng = self._start("populate", spec)
             try:
                 self.p.update("measuring prefill speed")
-                cal = eng.call(
-                    "calibrate", prompt_tokens=max(chunk, round(w.mean_prompt_tokens())), repeats=5,
-                    decode_tokens=32, vocab=self.model.vocab_size,
-                )  # fmt: skip
+                self.calibrate_args = {"prompt_tokens": max(chunk, round(w.mean_prompt_tokens())), "repeats": 5,
+                                       "decode_tokens": 32, "vocab": self.model.vocab_size}  # fmt: skip
+                cal = eng.call("calibrate", **self.calibrate_args)
                 tps = float(cal["prefill_tokens_per_s"])
                 self.p.update(f"prefill {tps:,.0f} tok/s; populating the store", 15)
                 res = eng.call("run", file=self.wfile, level="prelude", concurrency=max(o.concurrency),
@@ -423,6 +430,7 @@ class Bench:
             },
             "regime": regime,
             "populate": populate_info,
+            "mode_calibrations": self.mode_calibrations,
             "modes": {m: {"description": MODES[m], "available": avail[m][0], "reason": avail[m][1]} for m in modes},
             "notes": self.notes,
             "rows": self.rows,
@@ -518,6 +526,8 @@ class Bench:
                 return res, {}
 
             self._run_cells(mode, tps, "", cell)
+            if mode in BENCH_MODES and o.calibrate_modes:
+                self._calibrate_mode_engine(mode, eng)
         finally:
             if eng is not None:
                 eng.close()
@@ -525,6 +535,18 @@ class Bench:
                 server.kill()
             _remove_pool(pool)
             shutil.rmtree(disk, ignore_errors=True)
+
+    def _calibrate_mode_engine(self, mode: str, eng: EngineProcess) -> None:
+        """The populate engine's calibration once more, in this mode's engine after its cells: one engine's
+        samples on a shared machine are noisy, and the simulator's replay pools every engine's (see
+        `kvprefetch.sim.calibration.pooled_calibration`)."""
+        self.p.update(f"{mode}: measuring its engine's speeds")
+        try:
+            seed = 10_000 * (1 + list(BENCH_MODES).index(mode))  # prompts no other engine saved
+            self.mode_calibrations[mode] = eng.call("calibrate", **self.calibrate_args, seed=seed)
+        except EngineError as err:  # the cells are measured; a missing calibration only thins the pool
+            self.notes.append(f"{mode}: engine calibration failed: {str(err)[:500]}")
+        self.p.update(f"{mode}: engine measured", CALIBRATE_EST_S)
 
     def _write_steps(self, mode: str, c: int, steps: list[dict] | None) -> None:
         """One JSON line per engine step of the cell (`--step-log`), beside results.json."""

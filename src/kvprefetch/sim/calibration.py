@@ -1,13 +1,14 @@
 """The simulator against our own benchmark: 'this CPU' calibrated from a `kvprefetch bench` run, and that
 run's exact sessions replayed on it, mode by mode, to predict each cell's TTFT p50.
 
-What the calibration takes from the run (all measured by the bench before any mode runs): prefill time of a
-fresh prompt and of new tokens on a cached prefix (together they separate the per-token cost from the
-attention cost), the same prompt reloaded from the DRAM tier (the connector's load rate), decode steps of one
-short sequence, of sixteen short ones (the per-sequence cost) and of four long ones (the KV read rate), the
-throttled disk read rate, the engine's own sizes (KV capacity, KV block size, max_num_seqs, token budget), and
-the CPU seconds the connector's threads spent per byte they moved while the prelude populated the store (on
-this CPU the copies and I/O run on the cores the model computes on, so the replay charges them to the steps).
+What the calibration takes from the run (measured by the bench in the populating engine before any mode runs, and
+again in each simulated mode's engine after its cells; the speeds are medians over those engines): prefill time of
+a fresh prompt and of new tokens on a cached prefix (together they separate the per-token cost from the attention
+cost), the same prompt reloaded from the DRAM tier (the connector's load rate), decode steps of one short
+sequence, of sixteen short ones (the per-sequence cost) and of four long ones (the KV read rate), the throttled
+disk read rate, the engine's own sizes (KV capacity, KV block size, max_num_seqs, token budget), and the CPU
+seconds the connector's threads spent per byte they moved while the prelude populated the store (on this CPU the
+copies and I/O run on the cores the model computes on, so the replay charges them to the steps).
 What the replay takes: the same sessions, turns, think times and the prelude that populated the disk tier,
 rebuilt from the run's declared workload; chunks are identified by chained hashes of their tokens, exactly as
 the store keys them. Nothing is fitted to the TTFTs it predicts.
@@ -70,6 +71,7 @@ class Calibration:
     host_copy_gbps: float = 8.0  # DRAM pool -> engine KV when no reload was measured (a memcpy; estimate)
     io_cpu_s_per_byte: float | None = None  # the connector threads' CPU per byte they moved (the prelude's)
     engine_block_tokens: int | None = None  # vLLM's KV block size: its prefix cache hits are whole blocks of it
+    engines: int = 1  # the speeds are medians over this many engines' calibrations (`pooled_calibration`)
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
@@ -235,13 +237,57 @@ def io_cpu_per_byte(prelude: dict, chunk_bytes: int) -> float | None:
     return cpu / moved if cpu is not None and moved > 0 else None
 
 
+MEASURED_SPEEDS = (
+    "prefill_tokens_per_s",
+    "extend_s",
+    "request_floor_s",
+    "decode_step_s",
+    "decode_batch_step_s",
+    "decode_wide_step_s",
+)
+"""The calibration's samples of the machine's speed (each one engine's fastest of its repeats)."""
+
+
+def engine_calibrations(results: dict) -> list[dict]:
+    """Every engine's calibration in a run: the populating engine's, before any mode ran, then each simulated
+    mode's engine's, measured after its cells (runs before these were recorded have only the first)."""
+    first = results.get("populate", {}).get("calibration") or {}
+    return [first, *(results.get("mode_calibrations") or {}).values()]
+
+
+def pooled_calibration(calibrations: list[dict]) -> dict:
+    """One calibration from several engines': the first's, with each measured speed the median over the engines
+    that measured it.
+
+    Why: on a shared machine one engine's samples are noisy (the fastest prefill of five ranged 9k-15k tokens/s
+    within one run), and the replay applies one calibration to every cell of a run, so one unlucky or lucky
+    engine shifted every prediction of the run together. A median over the engines is robust to one such engine.
+    The DRAM reload is pooled over engines that loaded the same number of tokens (an engine with no tier, as
+    `recompute`'s, has no reload sample)."""
+    pooled = dict(calibrations[0])
+    for name in MEASURED_SPEEDS:
+        values = [c[name] for c in calibrations if c.get(name)]
+        if values:
+            pooled[name] = float(np.median(values))
+    reload_tokens = pooled.get("reload_tokens") or next(
+        (c["reload_tokens"] for c in calibrations if c.get("reload_tokens")), None
+    )
+    reloads = [c["reload_s"] for c in calibrations if c.get("reload_s") and c.get("reload_tokens") == reload_tokens]
+    if reloads:
+        pooled |= {"reload_s": float(np.median(reloads)), "reload_tokens": reload_tokens}
+    pooled["engines"] = len(calibrations)
+    return pooled
+
+
 def calibration_from_results(results: dict) -> Calibration:
+    """The simulator's calibration of a bench run: its engines' measurements pooled (`pooled_calibration`), the
+    disk rate the regime obtained, the engine's sizes, the connector's CPU per byte in the prelude."""
     reg, cfg = results["regime"], results["config"]
     populate = results.get("populate", {})
-    cal = populate.get("calibration", {})
+    cal = pooled_calibration(engine_calibrations(results))
     return Calibration(
-        prefill_tokens_per_s=float(reg["prefill_tokens_per_s"]),
-        decode_step_s=float(reg["decode_step_s"]),
+        prefill_tokens_per_s=float(cal.get("prefill_tokens_per_s") or reg["prefill_tokens_per_s"]),
+        decode_step_s=float(cal.get("decode_step_s") or reg["decode_step_s"]),
         disk_read_gbps=float(reg["read_bps"]) / 1e9,
         chunk_bytes=int(reg["chunk_bytes"]),
         chunk_tokens=int(reg["chunk_tokens"]),
@@ -264,6 +310,7 @@ def calibration_from_results(results: dict) -> Calibration:
         dram_bytes=cfg.get("dram_tier_bytes"),
         io_cpu_s_per_byte=io_cpu_per_byte(populate.get("prelude", {}), int(reg["chunk_bytes"])),
         engine_block_tokens=cfg.get("engine_block_tokens"),
+        engines=int(cal["engines"]),
     )
 
 

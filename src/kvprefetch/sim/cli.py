@@ -51,7 +51,7 @@ def _run_bench_scenario(results_paths: list[Path] | None, json_path: Path | None
     print_rows(rows, console, title=title)
     within = sum(abs(r.error_pct) <= 20 for r in rows)
     console.print(f"{within} of {len(rows)} cells within 20%")
-    _print_io_cpu(runs)
+    _print_calibration(runs)
     if len(runs) > 1:
         inside = sum(min(m) <= r.simulated <= max(m) for r, (m, _) in zip(rows, cells.values(), strict=True))
         console.print(f"{inside} of {len(rows)} predictions inside the range the runs measured")
@@ -76,11 +76,15 @@ def _computed_tokens(predictions: list[list[dict]]) -> list:
     return rows
 
 
-def _print_io_cpu(runs: list[dict]) -> None:
-    """Say what the replays charged the steps for the connector's copies, or that an older run could not tell."""
+def _print_calibration(runs: list[dict]) -> None:
+    """Say how many engines each run's speeds are medians over, and what the replays charged the steps for the
+    connector's copies (or that an older run could not tell)."""
     from kvprefetch.sim.calibration import calibration_from_results
 
-    costs = [calibration_from_results(r).io_cpu_s_per_byte for r in runs]
+    cals = [calibration_from_results(r) for r in runs]
+    engines = ", ".join(str(c.engines) for c in cals)
+    console.print(f"calibration: each speed the median over the run's engines ({engines} engines; 1 = an older run)")
+    costs = [c.io_cpu_s_per_byte for c in cals]
     if all(k is None for k in costs):
         console.print("these runs did not measure the connector's CPU (an older bench): copies cost the steps nothing")
         return
