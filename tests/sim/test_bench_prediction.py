@@ -218,6 +218,7 @@ def test_sim_cli_bench_scenario_prints_and_writes_rows(tmp_path):
     res = CliRunner().invoke(app, ["sim", "--scenario", "bench", "--bench-results", str(path), "--json", str(out)])
     assert res.exit_code == 0, res.output
     assert "cells within 20%" in res.output
+    assert "published" not in res.output  # the bench's figures are measured ones, and the table says so
     assert "did not measure the connector's CPU" in " ".join(res.output.split())  # no prelude measurement
     rows = json.loads(out.read_text())
     assert len(rows) == 8 and all(r["scenario"] == "bench" and not r["fitted"] for r in rows)

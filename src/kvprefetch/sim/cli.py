@@ -48,7 +48,7 @@ def _run_bench_scenario(results_paths: list[Path] | None, json_path: Path | None
     cells = bench_cells(predictions)
     title = "simulated vs measured" + (f" ({results_paths[0]})" if len(runs) == 1 else f", medians of {len(runs)} runs")
     rows = bench_rows(cells)
-    print_rows(rows, console, title=title)
+    print_rows(rows, console, title=title, reference="measured")
     within = sum(abs(r.error_pct) <= 20 for r in rows)
     console.print(f"{within} of {len(rows)} cells within 20%")
     _print_calibration(runs)
@@ -70,7 +70,8 @@ def _computed_tokens(predictions: list[list[dict]]) -> list:
     if not cells:
         return []
     rows = bench_rows(cells, metric="computed_tokens", unit="tokens")
-    print_rows(rows, console, title="prompt tokens the engine computed (the rest came from its cache or a tier)")
+    title = "prompt tokens the engine computed (the rest came from its cache or a tier)"
+    print_rows(rows, console, title=title, reference="measured")
     within = sum(abs(r.error_pct) <= 5 for r in rows)
     console.print(f"{within} of {len(rows)} cells within 5% of the tokens vLLM computed")
     return rows
@@ -106,7 +107,8 @@ def _step_checks(results_paths: list[Path], runs: list[dict]) -> list:
             found = step_rows(check_run(results, folder), name=f"steps {path.parent.name}")
         except (ValueError, KeyError, TypeError) as err:
             raise typer.BadParameter(f"not a usable step log: {err}") from None
-        print_rows(found, console, title=f"engine steps ({folder}): measured vs the step model on the same batches")
+        title = f"engine steps ({folder}): measured vs the step model on the same batches"
+        print_rows(found, console, title=title, reference="measured")
         rows += found
     return rows
 

@@ -108,9 +108,15 @@ def step_rows(checks: dict[tuple[str, int], dict], name: str = "bench-steps") ->
     return rows
 
 
-def print_rows(rows: Sequence[Row], console: Console | None = None, title: str = "simulated vs published") -> None:
+def print_rows(
+    rows: Sequence[Row],
+    console: Console | None = None,
+    title: str = "simulated vs published",
+    reference: str = "published",
+) -> None:
+    """`reference` names the column simulated values are compared against (the bench's rows are measured ones)."""
     table = Table(title=title)
-    for col in ("scenario", "metric", "published", "simulated", "error %", "fitted"):
+    for col in ("scenario", "metric", reference, "simulated", "error %", "fitted"):
         table.add_column(col, justify="right" if col not in ("scenario", "metric") else "left")
     for r in rows:
         table.add_row(
