@@ -65,9 +65,9 @@ def bench_cells(
     for rows in predictions:
         for p in rows:
             if p.get(measured):
-                got, want = cells.setdefault((p["mode"], p["concurrency"]), ([], []))
-                got.append(p[measured])
-                want.append(p[predicted])
+                measured_values, predicted_values = cells.setdefault((p["mode"], p["concurrency"]), ([], []))
+                measured_values.append(p[measured])
+                predicted_values.append(p[predicted])
     return dict(sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])))
 
 
