@@ -61,13 +61,15 @@ class Accelerator:
 
 @dataclass(frozen=True)
 class Storage:
-    """A tier below host DRAM, as seen by one serving node."""
+    """A tier below host DRAM, as seen by one serving node. `parallelism`: reads in flight it takes to reach
+    `read_bw` (one stream alone gets `read_bw / parallelism`; see `TierSpec`)."""
 
     name: str
     read_bw: float
     latency_s: float
     capacity_bytes: float
     source: str = ""
+    parallelism: float = 1.0
 
 
 MODELS: dict[str, Model] = {
@@ -150,7 +152,6 @@ MODELS: dict[str, Model] = {
         ),
     ]
 }
-
 
 
 def model_from_hf_config(path: str | Path, name: str | None = None) -> Model:
@@ -247,21 +248,29 @@ STORAGE: dict[str, Storage] = {
             latency_s=200e-6,
             capacity_bytes=100e12,
             source="read bandwidth: the whitepaper's highest measured R1 point (5.23 GB/s), below the "
-            "100 GbE line rate of 12.5 GB/s; latency: NVMe-oF RDMA round trip + flash read (estimate)",
+            "100 GbE line rate of 12.5 GB/s; latency: NVMe-oF RDMA round trip + flash read (estimate); "
+            "parallelism: the whitepaper's R1 read the same array at 0.98 GB/s with serial reads and 5.23 GB/s "
+            "with parallel ones, so one stream gets 0.98 GB/s",
+            parallelism=5.23 / 0.98,
         ),
         Storage(
             "local-nvme",
             read_bw=6.9 * GB,
             latency_s=100e-6,
             capacity_bytes=7.68e12,
-            source="one PCIe Gen4 x4 datacenter SSD (e.g. Samsung PM9A3 datasheet: 6.9 GB/s seq. read)",
+            source="one PCIe Gen4 x4 datacenter SSD (e.g. Samsung PM9A3 datasheet: 6.9 GB/s seq. read); "
+            "parallelism (estimate): 128 KB sequential reads reach a drive's rated speed at queue depth 4-8 "
+            "(published QD sweeps), the chunk reads of a KV load are MBs each and need fewer; on this "
+            "project's own machine fio gained nothing past queue depth 2-4",
+            parallelism=2.0,
         ),
         Storage(
             "nfs",
             read_bw=1.1 * GB,
             latency_s=1e-3,
             capacity_bytes=100e12,
-            source="NFS over 10 GbE: line rate 1.25 GB/s minus protocol overhead (estimate)",
+            source="NFS over 10 GbE: line rate 1.25 GB/s minus protocol overhead (estimate); parallelism: one "
+            "stream of large sequential reads is assumed to fill the link (estimate)",
         ),
     ]
 }

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvprefetch.config import IOConfig
 from kvprefetch.sim.freeform import Setup, default_bandwidths, run_setup, sweep_storage_bw
 from kvprefetch.sim.policy import Policy
 from kvprefetch.sim.scenarios import PUBLISHED, run_whitepaper, scenario_names
@@ -175,6 +176,14 @@ def register(app: typer.Typer) -> None:
         policies: str = "recompute,ondemand-sync,ondemand,prefetch,dram",
         efficiency: float = 0.4,
         dram_gb: Annotated[float | None, typer.Option(help="host DRAM tier size; default unbounded")] = None,
+        io_depth: Annotated[
+            int,
+            typer.Option(
+                min=1,
+                help="reads kvprefetch keeps in flight (its io.threads): storage that needs more streams than this "
+                "to reach its bandwidth is read slower",
+            ),
+        ] = IOConfig.model_fields["threads"].default,
         sweep: Annotated[bool, typer.Option(help="find the storage bandwidth prefetch needs")] = False,
         trace: Path = Path("../shared/data/mooncake/synthetic_trace.jsonl"),
         json: Annotated[Path | None, typer.Option("--json", help="write rows as JSON")] = None,
@@ -187,12 +196,25 @@ def register(app: typer.Typer) -> None:
         if scenario:
             _run_scenario(scenario, trace, json, plots)
             return
-        setup = Setup(model, accelerator, tp, storage, efficiency, dram_gb)
+        setup = Setup(model, accelerator, tp, storage, efficiency, dram_gb, io_depth=io_depth)
+        _print_storage(setup)
         concs = _ints(concurrency)
         if sweep:
             _run_sweep(setup, workload, concs, json)
             return
         _run_freeform(setup, workload, concs, [Policy(p) for p in policies.split(",")], json, plots)
+
+
+def _print_storage(setup: Setup) -> None:
+    """Say what the storage delivers at this io depth, so a slow result is not blamed on its bandwidth alone."""
+    try:
+        full, got = setup.storage_read_bw()
+    except KeyError as err:
+        raise typer.BadParameter(str(err.args[0])) from None
+    line = f"{setup.storage}: {full / 1e9:.2f} GB/s, {got / 1e9:.2f} GB/s read with --io-depth {setup.io_depth}"
+    if got < full:
+        line += " (it needs more reads in flight to reach full bandwidth)"
+    console.print(line)
 
 
 def _run_freeform(
@@ -257,9 +279,11 @@ def _run_sweep(setup: Setup, workload: str, concs: list[int], json_path: Path | 
                     "points": [{"read_gbps": b, "prefetch_ttft_p50_s": t, "dram_ttft_p50_s": d} for b, t, d in rows],
                 }
             )
+    full, got = setup.storage_read_bw()
+    share = "" if got >= full else f" of full bandwidth, of which --io-depth {setup.io_depth} reads {got / full:.0%}"
     for entry in out:
         need = entry["enough_gbps"]
-        verdict = f"{need} GB/s" if need is not None else f"more than {max(bws)} GB/s"
+        verdict = f"{need} GB/s{share}" if need is not None else f"more than {max(bws)} GB/s{share}"
         console.print(
             f"concurrency {entry['concurrency']}: prefetch hides storage (within 10% of all-in-DRAM) from {verdict}"
         )

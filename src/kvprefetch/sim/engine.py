@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvprefetch.config import IOConfig
 from kvprefetch.sim.block_pool import BlockPool
 from kvprefetch.sim.costs import Deployment
 from kvprefetch.sim.policy import Policy
@@ -52,6 +53,8 @@ class SimConfig:
     `engine_block_tokens`: the engine's own KV block size where it is smaller than `block_tokens` (vLLM's, 128
     on CPU, 16 on GPU): turns of a session extend the previous turn's prompt, and the engine's prefix cache
     holds that prompt to its last whole engine block, not only to its last whole `block_tokens` block.
+    `io_depth`: reads the I/O engine keeps in flight (kvprefetch's `io.threads`); a storage tier whose
+    `parallelism` is higher serves them at `TierSpec.bandwidth(io_depth)`, below its full `read_bw`.
     """
 
     deployment: Deployment
@@ -68,6 +71,7 @@ class SimConfig:
     sync_loads_in_step: bool = False
     io_cpu_s_per_byte: float = 0.0
     engine_block_tokens: int | None = None
+    io_depth: int = IOConfig.model_fields["threads"].default
 
 
 @dataclass(slots=True, eq=False)
@@ -129,7 +133,7 @@ class Simulator:
         self.kv_per_token = self.dep.model.kv_bytes_per_token
         self.tiers = config.tiers if config.policy.uses_external else ()
         self.caches = {t.name: BlockCache(t.capacity_blocks) for t in self.tiers}
-        self.pipes = {t.name: Pipe(t.read_bw, t.latency_s) for t in self.tiers[1:]}
+        self.pipes = {t.name: Pipe(t.bandwidth(config.io_depth), t.latency_s) for t in self.tiers[1:]}
         self.host = Pipe(self.dep.accelerator.host_link_bw * self.dep.tp)
         hbm_blocks = config.hbm_cache_blocks
         if hbm_blocks is None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvprefetch.config import IOConfig
 from kvprefetch.sim.catalog import ACCELERATORS, MODELS, STORAGE, lookup
 from kvprefetch.sim.costs import Deployment
 from kvprefetch.sim.engine import SimConfig, simulate
@@ -21,7 +22,8 @@ from kvprefetch.workload.synthetic import ChatWorkload, generate_chat
 
 @dataclass(frozen=True)
 class Setup:
-    """A deployment plus the tiers under it. `dram_gb=None` means unbounded host DRAM."""
+    """A deployment plus the tiers under it. `dram_gb=None` means unbounded host DRAM. `storage_bw` overrides the
+    storage's full bandwidth (its parallelism kept); `io_depth` is the reads kvprefetch keeps in flight."""
 
     model: str = "qwen3-coder-480b-fp8"
     accelerator: str = "mi308x"
@@ -30,6 +32,11 @@ class Setup:
     efficiency: float = 0.4
     dram_gb: float | None = None
     storage_bw: float | None = None
+    io_depth: int = IOConfig.model_fields["threads"].default
+
+    def __post_init__(self) -> None:
+        if self.io_depth < 1:
+            raise ValueError(f"io_depth must be at least 1, got {self.io_depth}")
 
     def deployment(self) -> Deployment:
         return Deployment(
@@ -50,8 +57,14 @@ class Setup:
                 int(storage.capacity_bytes / block_bytes),
                 self.storage_bw or storage.read_bw,
                 storage.latency_s,
+                storage.parallelism,
             ),
         )
+
+    def storage_read_bw(self) -> tuple[float, float]:
+        """The storage's full read bandwidth and what `io_depth` reads in flight get of it."""
+        tier = self.tiers(self.deployment())[1]
+        return tier.read_bw, tier.bandwidth(self.io_depth)
 
 
 def parse_workload(spec: str, concurrency: int, seed: int = 0) -> tuple[list[Request], bool]:
@@ -77,7 +90,7 @@ def run_setup(setup: Setup, policy: Policy, workload: str, concurrency: int | No
         stored = [b for r in requests for b in r.hash_ids[: (r.input_len - 1) // BLOCK_TOKENS]]
         preload = {("dram" if policy is Policy.DRAM else tiers[1].name): stored}
     closed = None if workload.startswith("trace") else concurrency
-    config = SimConfig(dep, policy, tiers, concurrency=closed, preload=preload)
+    config = SimConfig(dep, policy, tiers, concurrency=closed, preload=preload, io_depth=setup.io_depth)
     return simulate(config, requests)
 
 
@@ -89,8 +102,9 @@ def sweep_storage_bw(
     tolerance: float = 0.10,
     progress: Callable[[], None] | None = None,
 ) -> tuple[list[tuple[float, float, float]], float | None]:
-    """TTFT p50 of prefetch vs the all-in-DRAM bound at each storage bandwidth; the smallest bandwidth
-    where prefetch lands within `tolerance` of the bound is the one that hides storage latency."""
+    """TTFT p50 of prefetch vs the all-in-DRAM bound at each storage bandwidth (the storage's full bandwidth;
+    `setup.io_depth` reads in flight may get less of it); the smallest bandwidth where prefetch lands within
+    `tolerance` of the bound is the one that hides storage latency."""
     bound = run_setup(setup, Policy.DRAM, workload, concurrency).ttft_p(50)
     rows, enough = [], None
     for bw in sorted(bws_gbps):

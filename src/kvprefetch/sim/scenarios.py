@@ -18,7 +18,8 @@ What the setup physically is (all the simulator is told):
 The whitepaper states neither context, new tokens, output length, kernel efficiency nor token budget:
 those are the free parameters in `WhitepaperFit`. Each is fitted (`kvprefetch.sim.fit`) on the one row it
 governs, marked `fitted=True`; every other row is a prediction. Not free: the array's read bandwidth
-(the whitepaper's own top R1 measurement), the model and accelerator shapes (catalog), the host link.
+(the whitepaper's own top R1 measurement) and its parallelism (R1 read it at 0.98 GB/s serially, one stream,
+and at 5.23 GB/s in parallel: `R1_IO_DEPTH`), the model and accelerator shapes (catalog), the host link.
 
 The fitted efficiency is low (2% of the catalog's estimated MI308X FP8 peak, ~1.1k prefill tokens/s for
 the 480B model): it is what the paper's recompute baseline measured (18x slower than prefetch), and it
@@ -46,6 +47,14 @@ every run is a burst, later ones are the steady state the p50 reports."""
 
 OUTPUT_JITTER = 0.1
 """Answer lengths vary by +-10% (uniform, seeded): real answers never all end on the same token."""
+
+PARALLEL_READS = 6
+"""Reads the whitepaper's reader keeps in flight in R2, R3 and R1's fast point: its parallel reads reached the
+array's 5.23 GB/s, which takes at least 5.23 / 0.98 streams (the array's `parallelism`); R1's slow point
+read serially, one stream (`R1_IO_DEPTH`)."""
+
+R1_IO_DEPTH = {"0.98GB/s": 1, "5.23GB/s": PARALLEL_READS}
+"""R1's two points are the same array read two ways: serially (0.98 GB/s) and in parallel (5.23 GB/s)."""
 
 R1_MODEL = "qwen3-coder-30b-a3b-fp8"
 """R1's model is not stated; one MI308X cannot hold the 480B model, so we assume the same family's
@@ -157,9 +166,11 @@ def run_whitepaper(
     tp: int = 8,
     read_bw: float | None = None,
     context: int | None = None,
+    io_depth: int = PARALLEL_READS,
 ) -> SimResult:
     """One closed-loop run of the whitepaper's setup: every request's context sits only in the storage
-    tier when it arrives ("cold reads"); DRAM starts empty."""
+    tier when it arrives ("cold reads"); DRAM starts empty. `read_bw` overrides the array's bandwidth (the
+    share one of several instances gets); `io_depth` is the reads in flight."""
     storage = STORAGE["nvmeof-100gbe-raid0"]
     dep = Deployment(
         MODELS[model], ACCELERATORS["mi308x"], tp=tp, efficiency=fit.efficiency, token_budget=fit.token_budget
@@ -171,11 +182,18 @@ def run_whitepaper(
     stored = [b for r in requests for b in r.hash_ids[: ctx // BLOCK_TOKENS]]
     tiers = (
         TierSpec("dram", None, dep.accelerator.host_link_bw * tp),
-        TierSpec("nvmeof", None, read_bw or storage.read_bw, storage.latency_s),
+        TierSpec("nvmeof", None, read_bw or storage.read_bw, storage.latency_s, storage.parallelism),
     )
     preload = {"dram": stored} if policy is Policy.DRAM else {"nvmeof": stored}
     config = SimConfig(
-        dep, policy, tiers, concurrency=concurrency, preload=preload, load_vs_recompute=False, hbm_cache_blocks=0
+        dep,
+        policy,
+        tiers,
+        concurrency=concurrency,
+        preload=preload,
+        load_vs_recompute=False,
+        hbm_cache_blocks=0,
+        io_depth=io_depth,
     )
     return simulate(config, requests)
 
@@ -188,12 +206,17 @@ def simulate_metric(p: Published, fit: WhitepaperFit = FIT) -> float:
     """The simulator's value for one published figure."""
     words = p.metric.split()
     if p.scenario == "seed-r1":
-        # R1 measures the storage path itself: loads on demand. Its TTFT is linear in 1/bandwidth with a
-        # positive intercept (37.97 = 34.6/0.98 + 2.7; 9.30 = 34.6/5.23 + 2.7): serialised loads plus
-        # compute. With prefetch the intercept would be negative (decode overlaps the queue).
-        bw = float(words[1].removesuffix("GB/s")) * 1e9
+        # R1 measures the storage path itself: loads on demand, read serially or in parallel. Its TTFT is linear
+        # in 1/bandwidth with a positive intercept (37.97 = 34.6/0.98 + 2.7; 9.30 = 34.6/5.23 + 2.7): serialised
+        # loads plus compute. With prefetch the intercept would be negative (decode overlaps the queue).
         res = run_whitepaper(
-            Policy.ONDEMAND_SYNC, 16, fit=fit, model=R1_MODEL, tp=1, read_bw=bw, context=fit.r1_context_tokens
+            Policy.ONDEMAND_SYNC,
+            16,
+            fit=fit,
+            model=R1_MODEL,
+            tp=1,
+            context=fit.r1_context_tokens,
+            io_depth=R1_IO_DEPTH[words[1]],
         )
         return res.ttft_p(50)
     conc = int(words[-1].removeprefix("c"))

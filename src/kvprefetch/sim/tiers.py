@@ -9,12 +9,30 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class TierSpec:
-    """A tier's capacity (in 512-token-class blocks; None = unbounded), read bandwidth and latency."""
+    """A tier's capacity (in 512-token-class blocks; None = unbounded), read bandwidth, latency and parallelism.
+
+    `read_bw` is what the tier delivers with enough reads in flight; `parallelism` is how many that takes: one
+    read stream alone gets `read_bw / parallelism` (an array of striped drives, a network pool), so a reader
+    with fewer streams than that leaves bandwidth unused (`bandwidth`)."""
 
     name: str
     capacity_blocks: int | None
     read_bw: float
     latency_s: float = 0.0
+    parallelism: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.read_bw > 0:
+            raise ValueError(f"tier {self.name!r}: read_bw must be positive, got {self.read_bw}")
+        if not self.parallelism >= 1:
+            raise ValueError(f"tier {self.name!r}: parallelism must be at least 1 stream, got {self.parallelism}")
+
+    def bandwidth(self, io_depth: int) -> float:
+        """Read bandwidth with `io_depth` reads in flight: each stream at `read_bw / parallelism`, the tier's
+        total capped at `read_bw`."""
+        if io_depth < 1:
+            raise ValueError(f"io_depth must be at least 1, got {io_depth}")
+        return self.read_bw * min(1.0, io_depth / self.parallelism)
 
 
 @dataclass
