@@ -271,3 +271,45 @@ def test_the_prelude_prices_the_connectors_cpu_per_byte_and_cache_modes_pay_it()
     charged = {(r["mode"], r["concurrency"]): r["predicted"] for r in predict_bench(results)}
     assert charged[("recompute", 4)] == plain[("recompute", 4)]  # no connector, no copies
     assert charged[("ondemand", 4)] > plain[("ondemand", 4)]
+
+
+def _plan(*args: str) -> tuple[int, str]:
+    res = CliRunner().invoke(app, ["sim", *args])
+    return res.exit_code, " ".join(res.output.replace("│", " ").split())  # rich wraps lines in boxes
+
+
+def test_sim_cli_plans_on_this_cpu_and_its_disk_as_a_bench_run_measured_them(tmp_path):
+    path, out = tmp_path / "results.json", tmp_path / "rows.json"
+    path.write_text(json.dumps(_results()))
+    code, text = _plan("--accelerator", "this-cpu", "--storage", "this-disk", "--calibration", str(path),
+                       "--workload", "context:3000,500,8", "--concurrency", "1", "--policies", "recompute,ondemand",
+                       "--json", str(out))  # fmt: skip
+    assert code == 0, text
+    assert f"this-cpu: tiny-llama as {path} measured it (median of 1 engines)" in text
+    assert "tiny-llama on 1x this-cpu, this-disk" in text
+    assert "this-disk: 0.50 GB/s, 0.50 GB/s read with --io-depth 4" in text
+    rows = {r["policy"]: r for r in json.loads(out.read_text())}
+    # a fresh 3500-token prompt alone takes what the bench measured for one (the front end included)
+    assert rows["recompute"]["ttft_p50_s"] == pytest.approx(3500 / 11000.0, rel=0.02)
+    assert rows["recompute"]["hit_ratio"] == 0 and rows["ondemand"]["hit_ratio"] > 0.6
+    # its 2560 stored tokens come from the measured disk at 0.5 GB/s, 4 KiB a token: 21 ms, less compute than that
+    assert 0.02 < rows["ondemand"]["ttft_p50_s"] < rows["recompute"]["ttft_p50_s"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--accelerator", "this-cpu"], "this-cpu and this-disk are measured, not catalogued: pass --calibration"),
+        (["--storage", "this-disk"], "pass --calibration OUT/results.json"),
+        (["--accelerator", "this-cpu", "--model", "qwen-14b", "--calibration", "{good}"],
+         "this-cpu was calibrated serving tiny-llama: pass --model tiny-llama"),
+        (["--accelerator", "this-cpu", "--calibration", "{missing}"], "cannot read the bench results"),
+        (["--accelerator", "this-cpu", "--calibration", "{bad}"], "is not a usable kvprefetch bench results.json"),
+    ],
+)  # fmt: skip
+def test_sim_cli_this_cpu_without_a_usable_calibration_is_a_clear_error(tmp_path, args, message):
+    (tmp_path / "good.json").write_text(json.dumps(_results()))
+    (tmp_path / "bad.json").write_text('{"regime": {}}')
+    paths = {"good": tmp_path / "good.json", "bad": tmp_path / "bad.json", "missing": tmp_path / "none.json"}
+    code, text = _plan(*[a.format(**paths) for a in args], "--concurrency", "1")
+    assert code != 0 and message in text

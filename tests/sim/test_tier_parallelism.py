@@ -98,7 +98,7 @@ def test_cli_default_io_depth_is_kvprefetchs_own_and_bad_values_are_refused():
     res = CliRunner().invoke(app, ["sim", "--io-depth", "0"])
     assert res.exit_code != 0 and "--io-depth" in res.output
     res = CliRunner().invoke(app, ["sim", "--storage", "tape"])
-    assert res.exit_code != 0 and "unknown storage 'tape'" in " ".join(res.output.split())
+    assert res.exit_code != 0 and "unknown storage 'tape'" in " ".join(res.output.replace("│", " ").split())
 
 
 def test_sweep_reports_full_bandwidth_and_the_share_the_io_depth_reads(tmp_path):

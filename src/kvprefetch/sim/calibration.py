@@ -32,6 +32,9 @@ from kvprefetch.sim.result import SimResult
 from kvprefetch.sim.tiers import TierSpec
 from kvprefetch.workload.request import Request, TokenRecipe
 
+MEASURED_DISK_LATENCY_S = 1e-4
+"""The bench measures its disk tier's read rate, not its latency: a local disk's (estimate)."""
+
 BENCH_MODES: dict[str, Policy] = {
     "recompute": Policy.RECOMPUTE,
     "ondemand": Policy.ONDEMAND,
@@ -314,6 +317,16 @@ def calibration_from_results(results: dict) -> Calibration:
     )
 
 
+def load_bench_calibration(path: str) -> Calibration:
+    """'This CPU' and its disk as a `kvprefetch bench` run measured them (its results.json), for planning runs."""
+    try:
+        return calibration_from_results(json.loads(Path(path).read_text()))
+    except OSError as err:
+        raise ValueError(f"cannot read the bench results {path}: {err.strerror or err}") from None
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path} is not a usable kvprefetch bench results.json: {err!r}") from None
+
+
 def replay_cells(
     cal: Calibration, workload, modes: list[str], concurrencies: list[int]
 ) -> dict[tuple[str, int], SimResult]:
@@ -335,7 +348,7 @@ def replay_cells(
         policy = BENCH_MODES[mode]
         tiers = (
             TierSpec("dram", None if policy is Policy.DRAM else dram_blocks, dep.accelerator.host_link_bw),
-            TierSpec("disk", None, cal.disk_read_gbps * 1e9, 1e-4),
+            TierSpec("disk", None, cal.disk_read_gbps * 1e9, MEASURED_DISK_LATENCY_S),
         )
         stored = {"disk": prelude} | ({"dram": prelude} if policy is Policy.DRAM else {})
         for c, requests in levels.items():

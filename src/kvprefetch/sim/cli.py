@@ -12,7 +12,15 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvprefetch.config import IOConfig
-from kvprefetch.sim.freeform import Setup, default_bandwidths, run_setup, sweep_storage_bw
+from kvprefetch.sim.freeform import (
+    DEFAULT_MODEL,
+    THIS_CPU,
+    THIS_DISK,
+    Setup,
+    default_bandwidths,
+    run_setup,
+    sweep_storage_bw,
+)
 from kvprefetch.sim.policy import Policy
 from kvprefetch.sim.scenarios import PUBLISHED, run_whitepaper, scenario_names
 
@@ -167,10 +175,23 @@ def register(app: typer.Typer) -> None:
             list[Path] | None,
             typer.Option(help="results.json of a `kvprefetch bench` run, for --scenario bench (repeat for medians)"),
         ] = None,
-        model: str = "qwen3-coder-480b-fp8",
-        accelerator: str = "mi308x",
+        model: Annotated[
+            str | None,
+            typer.Option(help=f"catalog model; default {DEFAULT_MODEL}, or the calibrated one on {THIS_CPU}"),
+        ] = None,
+        accelerator: Annotated[
+            str, typer.Option(help=f"catalog accelerator, or {THIS_CPU} (needs --calibration)")
+        ] = "mi308x",
         tp: int = 8,
-        storage: str = "nvmeof-100gbe-raid0",
+        storage: Annotated[
+            str, typer.Option(help=f"catalog storage, or {THIS_DISK} (needs --calibration)")
+        ] = "nvmeof-100gbe-raid0",
+        calibration: Annotated[
+            Path | None,
+            typer.Option(
+                help=f"results.json of a `kvprefetch bench` run: defines {THIS_CPU} and {THIS_DISK} as it measured them"
+            ),
+        ] = None,
         concurrency: str = "8,16,32",
         workload: Annotated[str, typer.Option(help="chat | context:CTX,NEW,OUT | trace:PATH")] = "context",
         policies: str = "recompute,ondemand-sync,ondemand,prefetch,dram",
@@ -196,8 +217,7 @@ def register(app: typer.Typer) -> None:
         if scenario:
             _run_scenario(scenario, trace, json, plots)
             return
-        setup = Setup(model, accelerator, tp, storage, efficiency, dram_gb, io_depth=io_depth)
-        _print_storage(setup)
+        setup = _setup(model, accelerator, tp, storage, efficiency, dram_gb, io_depth, calibration)
         concs = _ints(concurrency)
         if sweep:
             _run_sweep(setup, workload, concs, json)
@@ -205,16 +225,41 @@ def register(app: typer.Typer) -> None:
         _run_freeform(setup, workload, concs, [Policy(p) for p in policies.split(",")], json, plots)
 
 
-def _print_storage(setup: Setup) -> None:
-    """Say what the storage delivers at this io depth, so a slow result is not blamed on its bandwidth alone."""
+def _setup(
+    model: str | None,
+    accelerator: str,
+    tp: int,
+    storage: str,
+    efficiency: float,
+    dram_gb: float | None,
+    io_depth: int,
+    calibration: Path | None,
+) -> Setup:
+    """The free-form setup, checked before any run: unknown names and unusable calibrations fail here, by name.
+    Says what was measured (this-cpu) and what the storage delivers at this io depth, so a slow result is not
+    blamed on its bandwidth alone."""
+    path = str(calibration) if calibration else None
     try:
+        if model is None:
+            calibrated = accelerator == THIS_CPU and path is not None
+            model = Setup(accelerator=THIS_CPU, calibration=path).measured().model if calibrated else DEFAULT_MODEL
+        setup = Setup(model, accelerator, tp, storage, efficiency, dram_gb, io_depth=io_depth, calibration=path)
         full, got = setup.storage_read_bw()
     except KeyError as err:
         raise typer.BadParameter(str(err.args[0])) from None
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    if accelerator == THIS_CPU:
+        engines = setup.measured().engines
+        console.print(
+            f"{THIS_CPU}: {model} as {calibration} measured it (median of {engines} engines); --tp and --efficiency "
+            "do not apply"
+        )
     line = f"{setup.storage}: {full / 1e9:.2f} GB/s, {got / 1e9:.2f} GB/s read with --io-depth {setup.io_depth}"
     if got < full:
         line += " (it needs more reads in flight to reach full bandwidth)"
     console.print(line)
+    return setup
 
 
 def _run_freeform(
@@ -222,7 +267,8 @@ def _run_freeform(
 ) -> None:
     import json as jsonlib
 
-    table = Table(title=f"{setup.model} on {setup.tp}x {setup.accelerator}, {setup.storage}, {workload}")
+    dep = setup.deployment()
+    table = Table(title=f"{dep.model.name} on {dep.tp}x {dep.accelerator.name}, {setup.storage}, {workload}")
     for col in ("policy", "concurrency", "TTFT p50 s", "TTFT p90 s", "output tok/s", "hit ratio", "stall s"):
         table.add_column(col)
     rows, series = [], {}

@@ -8,6 +8,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvprefetch.config import IOConfig
+from kvprefetch.sim.calibration import (
+    MEASURED_DISK_LATENCY_S,
+    Calibration,
+    cpu_deployment,
+    load_bench_calibration,
+    request_overhead,
+)
 from kvprefetch.sim.catalog import ACCELERATORS, MODELS, STORAGE, lookup
 from kvprefetch.sim.costs import Deployment
 from kvprefetch.sim.engine import SimConfig, simulate
@@ -19,13 +26,22 @@ from kvprefetch.workload.mooncake import TraceScaling, read_mooncake_trace
 from kvprefetch.workload.request import BLOCK_TOKENS, Request
 from kvprefetch.workload.synthetic import ChatWorkload, generate_chat
 
+THIS_CPU = "this-cpu"
+THIS_DISK = "this-disk"
+"""The accelerator and storage a `kvprefetch bench` run measured on its own machine (`Setup.calibration`)."""
+
+DEFAULT_MODEL = "qwen3-coder-480b-fp8"
+
 
 @dataclass(frozen=True)
 class Setup:
     """A deployment plus the tiers under it. `dram_gb=None` means unbounded host DRAM. `storage_bw` overrides the
-    storage's full bandwidth (its parallelism kept); `io_depth` is the reads kvprefetch keeps in flight."""
+    storage's full bandwidth (its parallelism kept); `io_depth` is the reads kvprefetch keeps in flight.
+    `calibration`: a bench run's results.json, which defines `this-cpu` (the engine it served, with that run's
+    model, on one device, its speeds measured rather than derived: `tp` and `efficiency` do not apply) and
+    `this-disk` (the read rate its disk tier gave)."""
 
-    model: str = "qwen3-coder-480b-fp8"
+    model: str = DEFAULT_MODEL
     accelerator: str = "mi308x"
     tp: int = 8
     storage: str = "nvmeof-100gbe-raid0"
@@ -33,12 +49,27 @@ class Setup:
     dram_gb: float | None = None
     storage_bw: float | None = None
     io_depth: int = IOConfig.model_fields["threads"].default
+    calibration: str | None = None
 
     def __post_init__(self) -> None:
         if self.io_depth < 1:
             raise ValueError(f"io_depth must be at least 1, got {self.io_depth}")
 
+    def measured(self) -> Calibration:
+        """The bench run's calibration behind `this-cpu` and `this-disk`."""
+        if self.calibration is None:
+            raise ValueError(
+                f"{THIS_CPU} and {THIS_DISK} are measured, not catalogued: pass --calibration OUT/results.json of a "
+                "`kvprefetch bench` run on this machine"
+            )
+        return load_bench_calibration(self.calibration)
+
     def deployment(self) -> Deployment:
+        if self.accelerator == THIS_CPU:
+            cal = self.measured()
+            if self.model != cal.model:
+                raise ValueError(f"{THIS_CPU} was calibrated serving {cal.model}: pass --model {cal.model}")
+            return cpu_deployment(cal)
         return Deployment(
             lookup(MODELS, self.model, "model"),
             lookup(ACCELERATORS, self.accelerator, "accelerator"),
@@ -47,11 +78,15 @@ class Setup:
         )
 
     def tiers(self, dep: Deployment) -> tuple[TierSpec, ...]:
-        storage = lookup(STORAGE, self.storage, "storage")
         block_bytes = BLOCK_TOKENS * dep.model.kv_bytes_per_token
         dram_blocks = None if self.dram_gb is None else int(self.dram_gb * 1e9 / block_bytes)
+        dram = TierSpec("dram", dram_blocks, dep.accelerator.host_link_bw * dep.tp)
+        if self.storage == THIS_DISK:  # measured through kvprefetch's own reader: its io depth is in the rate
+            measured_bw = self.measured().disk_read_gbps * 1e9
+            return dram, TierSpec(THIS_DISK, None, self.storage_bw or measured_bw, MEASURED_DISK_LATENCY_S)
+        storage = lookup(STORAGE, self.storage, "storage")
         return (
-            TierSpec("dram", dram_blocks, dep.accelerator.host_link_bw * dep.tp),
+            dram,
             TierSpec(
                 storage.name,
                 int(storage.capacity_bytes / block_bytes),
@@ -60,6 +95,18 @@ class Setup:
                 storage.parallelism,
             ),
         )
+
+    def machine_overheads(self) -> dict:
+        """What `this-cpu` adds to a run's config: its front end's latency per request and, as the bench's engine
+        copies KV on the cores it computes on, the CPU per byte moved."""
+        if self.accelerator != THIS_CPU:
+            return {}
+        cal, dep = self.measured(), self.deployment()
+        return {
+            "request_overhead_s": request_overhead(cal, dep.accelerator.step_overhead_s),
+            "io_cpu_s_per_byte": cal.io_cpu_s_per_byte or 0.0,
+            "engine_block_tokens": cal.engine_block_tokens,
+        }
 
     def storage_read_bw(self) -> tuple[float, float]:
         """The storage's full read bandwidth and what `io_depth` reads in flight get of it."""
@@ -90,7 +137,9 @@ def run_setup(setup: Setup, policy: Policy, workload: str, concurrency: int | No
         stored = [b for r in requests for b in r.hash_ids[: (r.input_len - 1) // BLOCK_TOKENS]]
         preload = {("dram" if policy is Policy.DRAM else tiers[1].name): stored}
     closed = None if workload.startswith("trace") else concurrency
-    config = SimConfig(dep, policy, tiers, concurrency=closed, preload=preload, io_depth=setup.io_depth)
+    config = SimConfig(
+        dep, policy, tiers, concurrency=closed, preload=preload, io_depth=setup.io_depth, **setup.machine_overheads()
+    )
     return simulate(config, requests)
 
 
