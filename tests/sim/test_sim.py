@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kvprefetch.sim.catalog import ACCELERATORS, MODELS
 from kvprefetch.sim.costs import Deployment
 from kvprefetch.sim.engine import SimConfig, simulate
-from kvprefetch.sim.freeform import Setup, run_setup
+from kvprefetch.sim.freeform import Load, Setup, run_setup
 from kvprefetch.sim.hitratio import hit_ratio_curve
 from kvprefetch.sim.policy import Policy
 from kvprefetch.sim.report import mooncake_rows, whitepaper_rows
@@ -169,7 +169,7 @@ def test_mooncake_hit_ratio_and_full_trace_speed():
         assert abs(r.error_pct) <= TOLERANCE_PCT["mooncake"], r
     started = time.perf_counter()
     res = run_setup(
-        Setup("llama-3-70b", "h200", 8, "local-nvme", 0.4, dram_gb=500), Policy.PREFETCH, f"trace:{TRACE}", None
+        Setup("llama-3-70b", "h200", 8, "local-nvme", 0.4, dram_gb=500), Policy.PREFETCH, f"trace:{TRACE}", Load()
     )
     assert res.requests == 3993
     assert time.perf_counter() - started < 60

@@ -16,6 +16,7 @@ from kvprefetch.sim.freeform import (
     DEFAULT_MODEL,
     THIS_CPU,
     THIS_DISK,
+    Load,
     Setup,
     default_bandwidths,
     run_setup,
@@ -27,8 +28,11 @@ from kvprefetch.sim.scenarios import PUBLISHED, run_whitepaper, scenario_names
 console = Console()
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+def _number(text: str, option: str, kind: type) -> int | float:
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"{option} takes comma-separated {kind.__name__}s, got {text!r}") from None
 
 
 def _run_bench_scenario(results_paths: list[Path] | None, json_path: Path | None) -> None:
@@ -192,7 +196,13 @@ def register(app: typer.Typer) -> None:
                 help=f"results.json of a `kvprefetch bench` run: defines {THIS_CPU} and {THIS_DISK} as it measured them"
             ),
         ] = None,
-        concurrency: str = "8,16,32",
+        concurrency: Annotated[
+            str | None, typer.Option(help="closed-loop clients, comma-separated (default 8,16,32)")
+        ] = None,
+        rate: Annotated[
+            str | None,
+            typer.Option(help="open loop instead: sessions starting per second (Poisson), comma-separated"),
+        ] = None,
         workload: Annotated[str, typer.Option(help="chat | context:CTX,NEW,OUT | trace:PATH")] = "context",
         policies: str = "recompute,ondemand-sync,ondemand,prefetch,dram",
         efficiency: float = 0.4,
@@ -218,11 +228,28 @@ def register(app: typer.Typer) -> None:
             _run_scenario(scenario, trace, json, plots)
             return
         setup = _setup(model, accelerator, tp, storage, efficiency, dram_gb, io_depth, calibration)
-        concs = _ints(concurrency)
+        loads = _loads(workload, concurrency, rate)
         if sweep:
-            _run_sweep(setup, workload, concs, json)
+            _run_sweep(setup, workload, loads, json)
             return
-        _run_freeform(setup, workload, concs, [Policy(p) for p in policies.split(",")], json, plots)
+        _run_freeform(setup, workload, loads, [Policy(p) for p in policies.split(",")], json, plots)
+
+
+def _loads(workload: str, concurrency: str | None, rate: str | None) -> list[Load]:
+    """The loads to run: closed loops, Poisson rates, or a trace's own arrivals, refused where they conflict."""
+    try:
+        if workload.startswith("trace:"):
+            if concurrency or rate:
+                raise ValueError("a trace brings its own arrival times: drop --concurrency and --rate")
+            return [Load()]
+        if concurrency and rate:
+            raise ValueError("--concurrency (closed loop) or --rate (open loop), not both")
+        if rate:
+            return [Load(rate_per_s=_number(r, "--rate", float)) for r in rate.split(",") if r.strip()]
+        concs = (concurrency or "8,16,32").split(",")
+        return [Load(concurrency=_number(c, "--concurrency", int)) for c in concs if c.strip()]
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
 
 
 def _setup(
@@ -263,24 +290,26 @@ def _setup(
 
 
 def _run_freeform(
-    setup: Setup, workload: str, concs: list[int], policies: list[Policy], json_path: Path | None, plots: Path | None
+    setup: Setup, workload: str, loads: list[Load], policies: list[Policy], json_path: Path | None, plots: Path | None
 ) -> None:
     import json as jsonlib
 
     dep = setup.deployment()
     table = Table(title=f"{dep.model.name} on {dep.tp}x {dep.accelerator.name}, {setup.storage}, {workload}")
-    for col in ("policy", "concurrency", "TTFT p50 s", "TTFT p90 s", "output tok/s", "hit ratio", "stall s"):
+    for col in ("policy", "load", "TTFT p50 s", "TTFT p90 s", "output tok/s", "hit ratio", "stall s"):
         table.add_column(col)
     rows, series = [], {}
     with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("simulating", total=len(concs) * len(policies))
-        for c in concs:
+        task = bar.add_task("simulating", total=len(loads) * len(policies))
+        for load in loads:
             for p in policies:
-                r = run_setup(setup, p, workload, c)
+                r = run_setup(setup, p, workload, load)
                 rows.append(
                     {
                         "policy": p.value,
-                        "concurrency": c,
+                        "load": load.label,
+                        "concurrency": load.concurrency,
+                        "rate_per_s": load.rate_per_s,
                         "ttft_p50_s": r.ttft_p(50),
                         "ttft_p90_s": r.ttft_p(90),
                         "output_tok_s": r.output_tok_s,
@@ -288,12 +317,12 @@ def _run_freeform(
                         "stall_s": r.stall_s,
                     }
                 )
-                series.setdefault(p.value, {})[c] = r.ttft_p(50)
+                series.setdefault(p.value, {})[load.x] = r.ttft_p(50)
                 bar.advance(task)
     for row in rows:
         table.add_row(
             row["policy"],
-            str(row["concurrency"]),
+            row["load"],
             f"{row['ttft_p50_s']:.2f}",
             f"{row['ttft_p90_s']:.2f}",
             f"{row['output_tok_s']:.1f}",
@@ -303,24 +332,27 @@ def _run_freeform(
     console.print(table)
     if json_path:
         json_path.write_text(jsonlib.dumps(rows, indent=2) + "\n")
-    if plots:
+    if plots and len(loads) > 1:
         from kvprefetch.sim.plots import ttft_vs_concurrency
 
-        ttft_vs_concurrency(series, plots / "ttft_vs_concurrency.png")
+        xlabel = "concurrency" if loads[0].concurrency else "sessions starting per second"
+        ttft_vs_concurrency(series, plots / "ttft_vs_concurrency.png", xlabel=xlabel)
 
 
-def _run_sweep(setup: Setup, workload: str, concs: list[int], json_path: Path | None) -> None:
+def _run_sweep(setup: Setup, workload: str, loads: list[Load], json_path: Path | None) -> None:
     import json as jsonlib
 
     bws = default_bandwidths()
     out = []
     with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("sweeping storage bandwidth", total=len(bws) * len(concs))
-        for c in concs:
-            rows, enough = sweep_storage_bw(setup, workload, c, bws, progress=lambda: bar.advance(task))
+        task = bar.add_task("sweeping storage bandwidth", total=len(bws) * len(loads))
+        for load in loads:
+            rows, enough = sweep_storage_bw(setup, workload, load, bws, progress=lambda: bar.advance(task))
             out.append(
                 {
-                    "concurrency": c,
+                    "load": load.label,
+                    "concurrency": load.concurrency,
+                    "rate_per_s": load.rate_per_s,
                     "enough_gbps": enough,
                     "points": [{"read_gbps": b, "prefetch_ttft_p50_s": t, "dram_ttft_p50_s": d} for b, t, d in rows],
                 }
@@ -330,8 +362,6 @@ def _run_sweep(setup: Setup, workload: str, concs: list[int], json_path: Path | 
     for entry in out:
         need = entry["enough_gbps"]
         verdict = f"{need} GB/s{share}" if need is not None else f"more than {max(bws)} GB/s{share}"
-        console.print(
-            f"concurrency {entry['concurrency']}: prefetch hides storage (within 10% of all-in-DRAM) from {verdict}"
-        )
+        console.print(f"{entry['load']}: prefetch hides storage (within 10% of all-in-DRAM) from {verdict}")
     if json_path:
         json_path.write_text(jsonlib.dumps(out, indent=2) + "\n")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import numpy as np
 
@@ -114,31 +116,86 @@ class Setup:
         return tier.read_bw, tier.bandwidth(self.io_depth)
 
 
-def parse_workload(spec: str, concurrency: int, seed: int = 0) -> tuple[list[Request], bool]:
+@dataclass(frozen=True)
+class Load:
+    """How requests arrive: `concurrency` sessions in a closed loop (each starts its next request when one ends),
+    or sessions starting as a Poisson process at `rate_per_s`, an open loop: past what the deployment serves,
+    its queue and TTFT grow for as long as arrivals last (`OPEN_LOOP_S`). Neither: a trace's own arrival times."""
+
+    concurrency: int | None = None
+    rate_per_s: float | None = None
+
+    OPEN_LOOP_S: ClassVar[float] = 120.0
+    MIN_SESSIONS: ClassVar[int] = 32
+
+    def __post_init__(self) -> None:
+        if self.concurrency is not None and self.rate_per_s is not None:
+            raise ValueError("a load is a closed loop (concurrency) or an open one (rate), not both")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
+        if self.rate_per_s is not None and not self.rate_per_s > 0:
+            raise ValueError(f"arrival rate must be positive, got {self.rate_per_s}")
+
+    @property
+    def label(self) -> str:
+        if self.concurrency is not None:
+            return f"c={self.concurrency}"
+        return "trace" if self.rate_per_s is None else f"{self.rate_per_s:g}/s"
+
+    @property
+    def x(self) -> float:
+        """Where the load sits on a plot's x axis."""
+        return float(self.concurrency or self.rate_per_s or 0)
+
+    def sessions(self) -> int:
+        """Sessions a synthetic workload generates: four per closed-loop client, or `OPEN_LOOP_S` of arrivals."""
+        if self.concurrency is not None:
+            return 4 * self.concurrency
+        if self.rate_per_s is None:
+            raise ValueError("a synthetic workload needs a concurrency or an arrival rate")
+        return max(self.MIN_SESSIONS, math.ceil(self.rate_per_s * self.OPEN_LOOP_S))
+
+
+def parse_workload(spec: str, load: Load, seed: int = 0) -> tuple[list[Request], bool]:
     """`chat`, `context:CTX,NEW,OUT` or `trace:PATH`; returns the requests and whether storage starts
     warm with every request's reusable prefix (true for `context`, the whitepaper's cold-read setup)."""
     kind, _, arg = spec.partition(":")
+    if kind == "trace":
+        if load.concurrency is not None or load.rate_per_s is not None:
+            raise ValueError("a trace brings its own arrival times: drop --concurrency and --rate")
+        return read_mooncake_trace(arg, TraceScaling(), seed=seed), False
     if kind == "chat":
-        return generate_chat(ChatWorkload(sessions=4 * concurrency, concurrency=concurrency, seed=seed)), False
+        if load.rate_per_s is not None:
+            chat = ChatWorkload(sessions=load.sessions(), arrival="poisson", rate_per_s=load.rate_per_s, seed=seed)
+        else:
+            chat = ChatWorkload(sessions=load.sessions(), concurrency=load.concurrency or 1, seed=seed)
+        return generate_chat(chat), False
     if kind == "context":
         ctx, new, out = (int(x) for x in (arg or "16384,2048,128").split(","))
-        return context_requests(4 * concurrency, ctx, new, out), True
-    if kind == "trace":
-        return read_mooncake_trace(arg, TraceScaling(), seed=seed), False
+        requests = context_requests(load.sessions(), ctx, new, out)
+        if load.rate_per_s is not None:
+            gaps = np.random.default_rng(seed).exponential(1.0 / load.rate_per_s, len(requests))
+            requests = [replace(r, arrival_s=float(t)) for r, t in zip(requests, np.cumsum(gaps), strict=True)]
+        return requests, True
     raise ValueError(f"unknown workload {spec!r}: use chat, context:CTX,NEW,OUT or trace:PATH")
 
 
-def run_setup(setup: Setup, policy: Policy, workload: str, concurrency: int | None, seed: int = 0) -> SimResult:
+def run_setup(setup: Setup, policy: Policy, workload: str, load: Load, seed: int = 0) -> SimResult:
     dep = setup.deployment()
-    requests, warm = parse_workload(workload, concurrency or 1, seed)
+    requests, warm = parse_workload(workload, load, seed)
     tiers = setup.tiers(dep)
     preload = {}
     if warm:
         stored = [b for r in requests for b in r.hash_ids[: (r.input_len - 1) // BLOCK_TOKENS]]
         preload = {("dram" if policy is Policy.DRAM else tiers[1].name): stored}
-    closed = None if workload.startswith("trace") else concurrency
     config = SimConfig(
-        dep, policy, tiers, concurrency=closed, preload=preload, io_depth=setup.io_depth, **setup.machine_overheads()
+        dep,
+        policy,
+        tiers,
+        concurrency=load.concurrency,
+        preload=preload,
+        io_depth=setup.io_depth,
+        **setup.machine_overheads(),
     )
     return simulate(config, requests)
 
@@ -146,7 +203,7 @@ def run_setup(setup: Setup, policy: Policy, workload: str, concurrency: int | No
 def sweep_storage_bw(
     setup: Setup,
     workload: str,
-    concurrency: int,
+    load: Load,
     bws_gbps: Sequence[float],
     tolerance: float = 0.10,
     progress: Callable[[], None] | None = None,
@@ -154,11 +211,11 @@ def sweep_storage_bw(
     """TTFT p50 of prefetch vs the all-in-DRAM bound at each storage bandwidth (the storage's full bandwidth;
     `setup.io_depth` reads in flight may get less of it); the smallest bandwidth where prefetch lands within
     `tolerance` of the bound is the one that hides storage latency."""
-    bound = run_setup(setup, Policy.DRAM, workload, concurrency).ttft_p(50)
+    bound = run_setup(setup, Policy.DRAM, workload, load).ttft_p(50)
     rows, enough = [], None
     for bw in sorted(bws_gbps):
         s = Setup(**{**setup.__dict__, "storage_bw": bw * 1e9})
-        ttft = run_setup(s, Policy.PREFETCH, workload, concurrency).ttft_p(50)
+        ttft = run_setup(s, Policy.PREFETCH, workload, load).ttft_p(50)
         rows.append((bw, ttft, bound))
         if enough is None and ttft <= bound * (1 + tolerance):
             enough = bw
