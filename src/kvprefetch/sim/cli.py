@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -26,6 +28,11 @@ from kvprefetch.sim.policy import Policy
 from kvprefetch.sim.scenarios import PUBLISHED, run_whitepaper, scenario_names
 
 console = Console()
+
+
+class Eviction(StrEnum):
+    LRU = "lru"
+    QUEUE_AWARE = "queue-aware"
 
 
 def _number(text: str, option: str, kind: type) -> int | float:
@@ -215,6 +222,12 @@ def register(app: typer.Typer) -> None:
                 "to reach its bandwidth is read slower",
             ),
         ] = IOConfig.model_fields["threads"].default,
+        eviction: Annotated[
+            Eviction,
+            typer.Option(
+                help="DRAM tier: plain LRU, or queue-aware (queued requests' prefetched KV stays until admitted)"
+            ),
+        ] = Eviction.LRU,
         sweep: Annotated[bool, typer.Option(help="find the storage bandwidth prefetch needs")] = False,
         trace: Path = Path("../shared/data/mooncake/synthetic_trace.jsonl"),
         json: Annotated[Path | None, typer.Option("--json", help="write rows as JSON")] = None,
@@ -228,6 +241,7 @@ def register(app: typer.Typer) -> None:
             _run_scenario(scenario, trace, json, plots)
             return
         setup = _setup(model, accelerator, tp, storage, efficiency, dram_gb, io_depth, calibration)
+        setup = replace(setup, queue_aware_eviction=eviction is Eviction.QUEUE_AWARE)
         loads = _loads(workload, concurrency, rate)
         if sweep:
             _run_sweep(setup, workload, loads, json)
@@ -295,7 +309,9 @@ def _run_freeform(
     import json as jsonlib
 
     dep = setup.deployment()
-    table = Table(title=f"{dep.model.name} on {dep.tp}x {dep.accelerator.name}, {setup.storage}, {workload}")
+    eviction = Eviction.QUEUE_AWARE if setup.queue_aware_eviction else Eviction.LRU
+    title = f"{dep.model.name} on {dep.tp}x {dep.accelerator.name}, {setup.storage}, {workload}"
+    table = Table(title=title + ("" if setup.dram_gb is None else f", {setup.dram_gb:g} GB DRAM ({eviction})"))
     for col in ("policy", "load", "TTFT p50 s", "TTFT p90 s", "output tok/s", "hit ratio", "stall s"):
         table.add_column(col)
     rows, series = [], {}
@@ -315,6 +331,8 @@ def _run_freeform(
                         "output_tok_s": r.output_tok_s,
                         "hit_ratio": r.hit_ratio,
                         "stall_s": r.stall_s,
+                        "eviction": eviction.value,
+                        "storage_read_gb": sum(v for k, v in r.bytes_read.items() if k != "host") / 1e9,
                     }
                 )
                 series.setdefault(p.value, {})[load.x] = r.ttft_p(50)

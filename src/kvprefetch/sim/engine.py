@@ -217,7 +217,7 @@ class Simulator:
         if self.cfg.queue_aware_eviction and self.tiers:
             self.caches[self.tiers[0].name].pin(b for b, _ in st.prefix_blocks)
         if self.cfg.policy.fetches_early and st.ext_tokens:
-            self._fetch_to_dram(st, t)
+            self._fetch_to_dram(st, t, ahead=True)
         return st
 
     def _maybe_recompute(self, st: _Req) -> None:
@@ -234,17 +234,33 @@ class Simulator:
             st.ext_tokens, st.ext_bytes_by_tier = 0, {}
             st.prefix_blocks = [p for p in st.prefix_blocks if p[1] == "hbm"]
 
-    def _fetch_to_dram(self, st: _Req, t: float) -> None:
+    def _fetch_to_dram(self, st: _Req, t: float, ahead: bool = False) -> None:
+        """Read the request's storage hits into DRAM. A read `ahead` of admission (prefetch), under queue-aware
+        eviction, takes only the blocks DRAM can hold without evicting the queue's KV: as in the store's DRAM
+        pool, a read that finds no free slot is skipped, and the request reads the rest when it is admitted."""
+        blocks = [(b, where) for b, where in st.prefix_blocks if where != "hbm"]
+        dram = self.caches[self.tiers[0].name] if self.tiers else None
+        if dram is not None and ahead and self.cfg.queue_aware_eviction:
+            room, kept = dram.room(), []
+            for b, where in blocks:  # a prefix of the request's KV: what comes after a block left out is no use
+                if where != self.tiers[0].name:
+                    if room <= 0:
+                        break
+                    room -= 1
+                kept.append((b, where))
+            blocks = kept
+        block_bytes = self.cfg.block_tokens * self.kv_per_token
+        by_tier: dict[str, float] = {}
+        for _, where in blocks:
+            if where in self.pipes:
+                by_tier[where] = by_tier.get(where, 0.0) + block_bytes
         done = t
-        for name, nbytes in st.ext_bytes_by_tier.items():
-            if name in self.pipes:
-                done = max(done, self.pipes[name].transfer(t, nbytes))
+        for name, nbytes in by_tier.items():
+            done = max(done, self.pipes[name].transfer(t, nbytes))
         st.fetched_to_dram_at = done
-        if self.tiers:
-            dram = self.caches[self.tiers[0].name]
-            for b, where in st.prefix_blocks:
-                if where != "hbm":
-                    dram.insert(b)
+        if dram is not None:
+            for b, _ in blocks:
+                dram.insert(b)
 
     # ---- admission and steps ----------------------------------------------------------------------
     def _lookup_again(self, st: _Req) -> None:
@@ -261,8 +277,7 @@ class Simulator:
         req = st.req
         if self.cfg.queue_aware_eviction and self.tiers:
             self.caches[self.tiers[0].name].unpin(b for b, _ in st.prefix_blocks)
-        if self.pool is not None:
-            self._lookup_again(st)
+        self._lookup_again(st)
         if st.ext_tokens and st.fetched_to_dram_at is None:
             self._fetch_to_dram(st, self.now)
         ext = sum(st.ext_bytes_by_tier.values())

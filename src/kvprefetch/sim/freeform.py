@@ -39,9 +39,10 @@ DEFAULT_MODEL = "qwen3-coder-480b-fp8"
 class Setup:
     """A deployment plus the tiers under it. `dram_gb=None` means unbounded host DRAM. `storage_bw` overrides the
     storage's full bandwidth (its parallelism kept); `io_depth` is the reads kvprefetch keeps in flight.
-    `calibration`: a bench run's results.json, which defines `this-cpu` (the engine it served, with that run's
-    model, on one device, its speeds measured rather than derived: `tp` and `efficiency` do not apply) and
-    `this-disk` (the read rate its disk tier gave)."""
+    `queue_aware_eviction`: the DRAM tier keeps queued requests' prefetched KV until they are admitted (as the
+    connector pins it) instead of plain LRU. `calibration`: a bench run's results.json, which defines `this-cpu`
+    (the engine it served, with that run's model, on one device, its speeds measured rather than derived: `tp` and
+    `efficiency` do not apply) and `this-disk` (the read rate its disk tier gave)."""
 
     model: str = DEFAULT_MODEL
     accelerator: str = "mi308x"
@@ -52,6 +53,7 @@ class Setup:
     storage_bw: float | None = None
     io_depth: int = IOConfig.model_fields["threads"].default
     calibration: str | None = None
+    queue_aware_eviction: bool = False
 
     def __post_init__(self) -> None:
         if self.io_depth < 1:
@@ -195,6 +197,7 @@ def run_setup(setup: Setup, policy: Policy, workload: str, load: Load, seed: int
         concurrency=load.concurrency,
         preload=preload,
         io_depth=setup.io_depth,
+        queue_aware_eviction=setup.queue_aware_eviction,
         **setup.machine_overheads(),
     )
     return simulate(config, requests)

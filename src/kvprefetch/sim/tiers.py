@@ -3,6 +3,7 @@ a FIFO pipe that turns bytes into arrival times."""
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -81,12 +82,18 @@ class BlockCache:
         if self.capacity is not None and len(self.blocks) > self.capacity:
             self._evict_one()
 
+    def room(self) -> float:
+        """How many more blocks can come in without evicting a pinned one."""
+        if self.capacity is None:
+            return math.inf
+        return self.capacity - sum(1 for b in self.pins if b in self.blocks)
+
     def _evict_one(self) -> None:
         for victim in self.blocks:
             if victim not in self.pins:
                 del self.blocks[victim]
                 return
-        self.blocks.popitem(last=False)  # everything pinned: plain LRU
+        self.blocks.popitem(last=True)  # everything pinned: the newcomer stays out, the queue ahead keeps its KV
 
     def pin(self, blocks) -> None:
         for b in blocks:
