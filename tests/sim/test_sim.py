@@ -216,3 +216,25 @@ def test_the_engine_caches_the_previous_turn_to_its_own_block_size():
     assert blocks.tokens_from == {"computed": 1000 + 1300 - 768, "hbm": 768}
     assert engine.tokens_from == {"computed": 1000 + 1300 - 896, "hbm": 896}
     assert engine.ttft[1] < blocks.ttft[1] and engine.ttft[0] == blocks.ttft[0]
+
+
+def _sessions(policy: Policy, queue_aware: bool):
+    """Eight chat sessions in flight, 5 s of thinking between turns; no engine prefix cache, so every turn's history
+    comes from the tiers, and a 20-block DRAM tier that holds only a few sessions' history."""
+    reqs = generate_chat(ChatWorkload(sessions=16, turns=4, concurrency=8, think_s=5.0, seed=1))
+    dep = Deployment(MODELS["llama-3-70b"], ACCELERATORS["h100"], tp=4)
+    tiers = (TierSpec("dram", 20, 100e9), TierSpec("nvme", None, 2e9, 1e-4))
+    cfg = SimConfig(dep, policy, tiers, concurrency=8, hbm_cache_blocks=0, load_vs_recompute=False,
+                    queue_aware_eviction=queue_aware)  # fmt: skip
+    return simulate(cfg, reqs)
+
+
+def test_session_aware_prefetch_moves_the_next_turn_during_the_think_time_if_dram_keeps_it():
+    on_arrival, session = _sessions(Policy.PREFETCH, True), _sessions(Policy.SESSION, True)
+    # the next turn's history is read while its user thinks: it waits less, and nothing is read twice
+    assert session.ttft_p(50) < 0.85 * on_arrival.ttft_p(50)
+    assert session.bytes_read["nvme"] <= on_arrival.bytes_read["nvme"]
+    # under plain LRU, the other sessions' traffic evicts what was fetched early: read again at admission
+    lru_arrival, lru_session = _sessions(Policy.PREFETCH, False), _sessions(Policy.SESSION, False)
+    assert lru_session.bytes_read["nvme"] > 1.5 * lru_arrival.bytes_read["nvme"]
+    assert lru_session.ttft_p(50) > session.ttft_p(50)

@@ -19,7 +19,9 @@ class Policy(StrEnum):
         that fits: `SimConfig.sync_loads_in_step`, which the bench replay uses.
     ondemand: load when admitted; only that request waits.
     prefetch: storage -> DRAM starts on arrival; DRAM -> HBM when admitted.
-    session: like prefetch, but a session's next turn is fetched as soon as the previous turn ends.
+    session: like prefetch, but a session's next turn is fetched as soon as the previous turn ends. It waits in
+        DRAM through the user's think time: kept there under queue-aware eviction; under plain LRU other traffic
+        may evict it first, and the turn reads it again when admitted.
     dram: every reusable block already sits in DRAM (the bound perfect prefetch approaches).
     """
 
