@@ -89,9 +89,14 @@ def test_cli_runs_open_loops_and_labels_them(tmp_path):
         (["--rate", "fast"], "--rate takes comma-separated floats, got 'fast'"),
         (["--concurrency", "1.5"], "--concurrency takes comma-separated ints, got '1.5'"),
         (["--workload", "trace:t.jsonl", "--rate", "1"], "a trace brings its own arrival times"),
+        (["--workload", "bogus"], "unknown workload 'bogus': use chat, context:CTX,NEW,OUT or trace:PATH"),
+        (["--workload", "context:1,2"], "context:CTX,NEW,OUT takes three token counts"),
+        (["--workload", "context:0,1,1"], "token counts must be positive"),
+        (["--workload", "trace:/no/such.jsonl"], "No such file or directory"),
+        (["--policies", "prefetch,fastest"], "'fastest' is not a valid Policy; known policies: recompute"),
     ],
 )
-def test_cli_refuses_loads_that_conflict(args, message):
+def test_cli_refuses_loads_workloads_and_policies_it_cannot_run(args, message):
     code, text = _sim(*args)
     assert code != 0 and message in text
 
@@ -145,3 +150,14 @@ def test_cli_eviction_is_in_the_title_and_rows(tmp_path):
     assert row["eviction"] == "queue-aware" and row["storage_read_gb"] > 0
     code, text = _sim("--eviction", "fifo")
     assert code != 0 and "--eviction" in text
+
+
+def test_cli_names_the_line_of_a_corrupt_trace(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    good = {"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}
+    trace.write_text(json.dumps(good) + "\n" + json.dumps({"timestamp": 5, "input_length": 10}) + "\n")
+    code, text = _sim("--workload", f"trace:{trace}")
+    squeezed = "".join(text.split())  # a long path wraps anywhere in rich's box
+    assert code != 0 and "".join(f"{trace}:2: not a Mooncake trace line (missing 'hash_ids')".split()) in squeezed
+    code, text = _sim("--scenario", "mooncake", "--trace", str(trace))
+    assert code != 0 and "--trace:" in text and "".join(f"{trace}:2:".split()) in "".join(text.split())

@@ -102,6 +102,22 @@ def test_trace_scaling_keeps_sharing_structure(tmp_path):
         _ = TraceScaling(length_scale=0.3).block_tokens
 
 
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        ("{not json", "Expecting property name"),
+        ('{"timestamp": 1, "input_length": 10, "output_length": 2}', "missing 'hash_ids'"),
+        ('{"timestamp": 1, "input_length": "ten", "output_length": 2, "hash_ids": [1]}', "invalid literal"),
+        ('{"timestamp": 1, "input_length": 10, "output_length": 2, "hash_ids": []}', "no hash_ids"),
+    ],
+)
+def test_a_corrupt_trace_line_is_named_with_its_reason(tmp_path, bad, why):
+    path = _write_trace(tmp_path)
+    path.write_text(path.read_text() + bad + "\n")
+    with pytest.raises(ValueError, match=rf"t\.jsonl:3: not a Mooncake trace line \(.*{why}"):
+        read_mooncake_trace(path)
+
+
 def test_trace_max_requests(tmp_path):
     assert len(read_mooncake_trace(_write_trace(tmp_path), TraceScaling(max_requests=1))) == 1
 

@@ -21,6 +21,7 @@ from kvprefetch.sim.freeform import (
     Load,
     Setup,
     default_bandwidths,
+    parse_workload,
     run_setup,
     sweep_storage_bw,
 )
@@ -152,7 +153,10 @@ def _run_scenario(name: str, trace: Path, json_path: Path | None, plots: Path | 
         if not trace.exists():
             raise typer.BadParameter(f"trace not found: {trace} (pass --trace PATH)")
         started = time.perf_counter()
-        requests = read_mooncake_trace(trace)
+        try:
+            requests = read_mooncake_trace(trace)
+        except (ValueError, OSError) as err:
+            raise typer.BadParameter(f"--trace: {err}") from None
         rows += mooncake_rows(requests, trace.name)
         console.print(f"mooncake: {len(requests)} requests in {time.perf_counter() - started:.1f} s")
         if plots:
@@ -243,10 +247,22 @@ def register(app: typer.Typer) -> None:
         setup = _setup(model, accelerator, tp, storage, efficiency, dram_gb, io_depth, calibration)
         setup = replace(setup, queue_aware_eviction=eviction is Eviction.QUEUE_AWARE)
         loads = _loads(workload, concurrency, rate)
+        try:
+            parse_workload(workload, loads[0])  # a bad spec or an unreadable trace fails here, by name
+        except (ValueError, OSError) as err:
+            raise typer.BadParameter(f"--workload: {err}") from None
         if sweep:
             _run_sweep(setup, workload, loads, json)
             return
-        _run_freeform(setup, workload, loads, [Policy(p) for p in policies.split(",")], json, plots)
+        _run_freeform(setup, workload, loads, _policies(policies), json, plots)
+
+
+def _policies(text: str) -> list[Policy]:
+    try:
+        return [Policy(p.strip()) for p in text.split(",") if p.strip()]
+    except ValueError as err:
+        known = ", ".join(p.value for p in Policy)
+        raise typer.BadParameter(f"{err.args[0]}; known policies: {known}") from None
 
 
 def _loads(workload: str, concurrency: str | None, rate: str | None) -> list[Load]:

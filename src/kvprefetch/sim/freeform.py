@@ -173,7 +173,13 @@ def parse_workload(spec: str, load: Load, seed: int = 0) -> tuple[list[Request],
             chat = ChatWorkload(sessions=load.sessions(), concurrency=load.concurrency or 1, seed=seed)
         return generate_chat(chat), False
     if kind == "context":
-        ctx, new, out = (int(x) for x in (arg or "16384,2048,128").split(","))
+        try:
+            ctx, new, out = (int(x) for x in (arg or "16384,2048,128").split(","))
+        except ValueError:
+            example = "context:16384,2048,128"
+            raise ValueError(f"context:CTX,NEW,OUT takes three token counts, e.g. {example}; got {spec!r}") from None
+        if min(ctx, new, out) < 1:
+            raise ValueError(f"context:CTX,NEW,OUT token counts must be positive; got {spec!r}")
         requests = context_requests(load.sessions(), ctx, new, out)
         if load.rate_per_s is not None:
             gaps = np.random.default_rng(seed).exponential(1.0 / load.rate_per_s, len(requests))

@@ -45,16 +45,25 @@ def read_mooncake_trace(path: str | Path, scaling: TraceScaling | None = None, s
     recipe = TokenRecipe("trace", seed, size)
     out: list[Request] = []
     with Path(path).open() as fh:
-        for line in fh:
+        for lineno, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
             if scaling.max_requests is not None and len(out) >= scaling.max_requests:
                 break
-            row = json.loads(line)
-            ids = tuple(int(h) for h in row["hash_ids"])
-            in_len = max(1, math.ceil(int(row["input_length"]) * scaling.length_scale))
+            try:
+                row = json.loads(line)
+                ids = tuple(int(h) for h in row["hash_ids"])
+                in_len = max(1, math.ceil(int(row["input_length"]) * scaling.length_scale))
+                out_len = max(1, math.ceil(int(row["output_length"]) * scaling.length_scale))
+                arrival = float(row["timestamp"]) / 1000.0 * scaling.time_scale
+                if not ids:
+                    raise ValueError("no hash_ids")
+            except (ValueError, KeyError, TypeError) as err:
+                what = f"missing {err}" if isinstance(err, KeyError) else str(err)
+                raise ValueError(
+                    f"{path}:{lineno}: not a Mooncake trace line ({what}); each line is a JSON object with "
+                    "timestamp (ms), input_length, output_length and hash_ids"
+                ) from None
             in_len = min(in_len, len(ids) * size)
-            out_len = max(1, math.ceil(int(row["output_length"]) * scaling.length_scale))
-            arrival = float(row["timestamp"]) / 1000.0 * scaling.time_scale
             out.append(Request(arrival, len(out), 0, in_len, out_len, ids, recipe))
     return out
