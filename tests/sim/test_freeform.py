@@ -161,3 +161,14 @@ def test_cli_names_the_line_of_a_corrupt_trace(tmp_path):
     assert code != 0 and "".join(f"{trace}:2: not a Mooncake trace line (missing 'hash_ids')".split()) in squeezed
     code, text = _sim("--scenario", "mooncake", "--trace", str(trace))
     assert code != 0 and "--trace:" in text and "".join(f"{trace}:2:".split()) in "".join(text.split())
+
+
+def test_cli_plots_a_traces_reuse_against_capacity(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    rows = [
+        {"timestamp": 100 * i, "input_length": 1500, "output_length": 4, "hash_ids": [1, 2, 3 + i]} for i in range(6)
+    ]
+    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    code, text = _sim("--workload", f"trace:{trace}", "--policies", "prefetch", "--plots", str(tmp_path))
+    assert code == 0, text
+    assert (tmp_path / "hit_ratio.png").stat().st_size > 0 and not (tmp_path / "ttft_vs_concurrency.png").exists()

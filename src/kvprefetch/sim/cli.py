@@ -135,8 +135,7 @@ def _step_checks(results_paths: list[Path], runs: list[dict]) -> list:
 
 
 def _run_scenario(name: str, trace: Path, json_path: Path | None, plots: Path | None) -> None:
-    from kvprefetch.sim.hitratio import hit_ratio_curve, published_for
-    from kvprefetch.sim.plots import hit_ratio_vs_capacity, ttft_vs_concurrency
+    from kvprefetch.sim.plots import ttft_vs_concurrency
     from kvprefetch.sim.report import mooncake_rows, print_rows, whitepaper_rows, write_json
     from kvprefetch.workload.mooncake import read_mooncake_trace
 
@@ -160,13 +159,7 @@ def _run_scenario(name: str, trace: Path, json_path: Path | None, plots: Path | 
         rows += mooncake_rows(requests, trace.name)
         console.print(f"mooncake: {len(requests)} requests in {time.perf_counter() - started:.1f} s")
         if plots:
-            caps = [1000, 3000, 10000, 30000, 50000, 100000, None]
-            hit_ratio_vs_capacity(
-                hit_ratio_curve(requests, caps),
-                published_for(trace),
-                plots / "hit_ratio.png",
-                f"{trace.stem}: prefix hit ratio vs capacity",
-            )
+            _plot_hit_ratio(requests, trace, plots)
     print_rows(rows, console)
     if json_path:
         write_json(rows, json_path)
@@ -366,11 +359,24 @@ def _run_freeform(
     console.print(table)
     if json_path:
         json_path.write_text(jsonlib.dumps(rows, indent=2) + "\n")
-    if plots and len(loads) > 1:
+    if plots and workload.startswith("trace:"):  # one load, the trace's own: its reuse against pool capacity
+        trace = Path(workload.removeprefix("trace:"))
+        _plot_hit_ratio(parse_workload(workload, loads[0])[0], trace, plots)
+    elif plots:
         from kvprefetch.sim.plots import ttft_vs_concurrency
 
         xlabel = "concurrency" if loads[0].concurrency else "sessions starting per second"
         ttft_vs_concurrency(series, plots / "ttft_vs_concurrency.png", xlabel=xlabel)
+
+
+def _plot_hit_ratio(requests: list, trace: Path, plots: Path) -> None:
+    """Prefix hit ratio of the trace against one LRU pool's capacity, beside the published points if we know any."""
+    from kvprefetch.sim.hitratio import hit_ratio_curve, published_for
+    from kvprefetch.sim.plots import hit_ratio_vs_capacity
+
+    caps = [1000, 3000, 10000, 30000, 50000, 100000, None]
+    title = f"{trace.stem}: prefix hit ratio vs capacity"
+    hit_ratio_vs_capacity(hit_ratio_curve(requests, caps), published_for(trace), plots / "hit_ratio.png", title)
 
 
 def _run_sweep(setup: Setup, workload: str, loads: list[Load], json_path: Path | None) -> None:
