@@ -94,8 +94,13 @@ def test_cli_runs_open_loops_and_labels_them(tmp_path):
         (["--workload", "context:0,1,1"], "token counts must be positive"),
         (["--workload", "trace:/no/such.jsonl"], "No such file or directory"),
         (["--policies", "prefetch,fastest"], "'fastest' is not a valid Policy; known policies: recompute"),
+        (["--model", "llama-3-70b", "--accelerator", "a100", "--tp", "1"],
+         "llama-3-70b does not fit on 1x a100: 141 GB of weights, 72 GB of usable HBM"),
+        (["--tp", "0"], "tp must be at least 1 device, got 0"),
+        (["--efficiency", "0"], "efficiency is a share of peak FLOP/s, in (0, 1]; got 0.0"),
+        (["--dram-gb", "-1"], "dram_gb must be positive, got -1.0"),
     ],
-)
+)  # fmt: skip
 def test_cli_refuses_loads_workloads_and_policies_it_cannot_run(args, message):
     code, text = _sim(*args)
     assert code != 0 and message in text

@@ -294,6 +294,7 @@ def _setup(
             calibrated = accelerator == THIS_CPU and path is not None
             model = Setup(accelerator=THIS_CPU, calibration=path).measured().model if calibrated else DEFAULT_MODEL
         setup = Setup(model, accelerator, tp, storage, efficiency, dram_gb, io_depth=io_depth, calibration=path)
+        _ = setup.deployment().kv_capacity_tokens  # a model that does not fit fails here
         full, got = setup.storage_read_bw()
     except KeyError as err:
         raise typer.BadParameter(str(err.args[0])) from None

@@ -58,6 +58,14 @@ class Setup:
     def __post_init__(self) -> None:
         if self.io_depth < 1:
             raise ValueError(f"io_depth must be at least 1, got {self.io_depth}")
+        if self.tp < 1:
+            raise ValueError(f"tp must be at least 1 device, got {self.tp}")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"efficiency is a share of peak FLOP/s, in (0, 1]; got {self.efficiency}")
+        for name in ("dram_gb", "storage_bw"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
 
     def measured(self) -> Calibration:
         """The bench run's calibration behind `this-cpu` and `this-disk`."""
