@@ -9,7 +9,11 @@ import numpy as np
 
 @dataclass
 class SimResult:
-    """Per-request timings plus totals. Times are seconds from the start of the run."""
+    """Per-request timings plus totals. Times are seconds from the start of the run.
+
+    `tokens_from`: prompt tokens by where they were when their request was admitted ("computed", "hbm", or a
+    tier: a prefetched block counts for DRAM); `bytes_read`: bytes each storage tier (and the host link) moved,
+    re-reads of evicted blocks included."""
 
     submit: np.ndarray
     first_token: np.ndarray
