@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -177,3 +178,27 @@ def test_cli_plots_a_traces_reuse_against_capacity(tmp_path):
     code, text = _sim("--workload", f"trace:{trace}", "--policies", "prefetch", "--plots", str(tmp_path))
     assert code == 0, text
     assert (tmp_path / "hit_ratio.png").stat().st_size > 0 and not (tmp_path / "ttft_vs_concurrency.png").exists()
+
+
+TRACE = Path(__file__).resolve().parents[2] / "../shared/data/mooncake/synthetic_trace.jsonl"
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="Mooncake trace not present")
+def test_a_local_nvme_in_front_of_a_slow_pool_serves_the_reuse_the_pool_is_too_slow_for():
+    base = Setup("llama-3-70b", "h100", 4, "nfs", efficiency=0.3, dram_gb=50)
+    pool_only = run_setup(base, Policy.ONDEMAND, f"trace:{TRACE}", Load())
+    tiered = run_setup(replace(base, storage="local-nvme,nfs"), Policy.ONDEMAND, f"trace:{TRACE}", Load())
+    # NFS alone loads slower than the engine recomputes: the load-or-recompute rule leaves only the engine's cache
+    assert pool_only.hit_ratio < 0.2 and pool_only.bytes_read["nfs"] == 0
+    # every prompt is written through to both; reuse that DRAM lost is read from the nearer, faster tier
+    assert tiered.hit_ratio > 0.6 and tiered.bytes_read["local-nvme"] > 0 and tiered.bytes_read["nfs"] == 0
+    assert tiered.output_tok_s > 1.3 * pool_only.output_tok_s
+    assert tiered.ttft_p(50) < pool_only.ttft_p(50)
+
+
+def test_cli_lists_each_storage_tier_nearest_first_and_refuses_a_repeat():
+    code, text = _sim("--storage", "local-nvme,nvmeof-100gbe-raid0", "--concurrency", "2", "--policies", "prefetch")
+    assert code == 0, text
+    assert text.index("local-nvme: 6.90 GB/s") < text.index("nvmeof-100gbe-raid0: 5.23 GB/s, 3.92 GB/s")
+    code, text = _sim("--storage", "nfs,nfs", "--concurrency", "2")
+    assert code != 0 and "storage names one or more distinct tiers, nearest first" in text

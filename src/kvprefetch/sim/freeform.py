@@ -37,8 +37,9 @@ DEFAULT_MODEL = "qwen3-coder-480b-fp8"
 
 @dataclass(frozen=True)
 class Setup:
-    """A deployment plus the tiers under it. `dram_gb=None` means unbounded host DRAM. `storage_bw` overrides the
-    storage's full bandwidth (its parallelism kept); `io_depth` is the reads kvprefetch keeps in flight.
+    """A deployment plus the tiers under it. `dram_gb=None` means unbounded host DRAM. `storage` names one storage
+    tier or several, nearest first (`storage_names`). `storage_bw` overrides the farthest one's full bandwidth
+    (its parallelism kept); `io_depth` is the reads kvprefetch keeps in flight.
     `queue_aware_eviction`: the DRAM tier keeps queued requests' prefetched KV until they are admitted (as the
     connector pins it) instead of plain LRU. `calibration`: a bench run's results.json, which defines `this-cpu`
     (the engine it served, with that run's model, on one device, its speeds measured rather than derived: `tp` and
@@ -89,24 +90,32 @@ class Setup:
             efficiency=self.efficiency,
         )
 
+    @property
+    def storage_names(self) -> list[str]:
+        """The storage tiers under DRAM, nearest first: `storage` may name several, comma-separated (a local NVMe
+        in front of a shared pool: `local-nvme,nvmeof-100gbe-raid0`)."""
+        names = [n.strip() for n in self.storage.split(",") if n.strip()]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"storage names one or more distinct tiers, nearest first; got {self.storage!r}")
+        return names
+
     def tiers(self, dep: Deployment) -> tuple[TierSpec, ...]:
+        """Host DRAM, then each storage tier; `storage_bw` overrides the farthest one (the shared pool)."""
         block_bytes = BLOCK_TOKENS * dep.model.kv_bytes_per_token
         dram_blocks = None if self.dram_gb is None else int(self.dram_gb * 1e9 / block_bytes)
-        dram = TierSpec("dram", dram_blocks, dep.accelerator.host_link_bw * dep.tp)
-        if self.storage == THIS_DISK:  # measured through kvprefetch's own reader: its io depth is in the rate
-            measured_bw = self.measured().disk_read_gbps * 1e9
-            return dram, TierSpec(THIS_DISK, None, self.storage_bw or measured_bw, MEASURED_DISK_LATENCY_S)
-        storage = lookup(STORAGE, self.storage, "storage")
-        return (
-            dram,
-            TierSpec(
-                storage.name,
-                int(storage.capacity_bytes / block_bytes),
-                self.storage_bw or storage.read_bw,
-                storage.latency_s,
-                storage.parallelism,
-            ),
-        )
+        tiers = [TierSpec("dram", dram_blocks, dep.accelerator.host_link_bw * dep.tp)]
+        names = self.storage_names
+        for name in names:
+            override = self.storage_bw if name == names[-1] else None
+            if name == THIS_DISK:  # measured through kvprefetch's own reader: its io depth is in the rate
+                measured_bw = self.measured().disk_read_gbps * 1e9
+                tiers.append(TierSpec(THIS_DISK, None, override or measured_bw, MEASURED_DISK_LATENCY_S))
+                continue
+            storage = lookup(STORAGE, name, "storage")
+            capacity = int(storage.capacity_bytes / block_bytes)
+            bw = override or storage.read_bw
+            tiers.append(TierSpec(storage.name, capacity, bw, storage.latency_s, storage.parallelism))
+        return tuple(tiers)
 
     def machine_overheads(self) -> dict:
         """What `this-cpu` adds to a run's config: its front end's latency per request and, as the bench's engine
@@ -120,10 +129,9 @@ class Setup:
             "engine_block_tokens": cal.engine_block_tokens,
         }
 
-    def storage_read_bw(self) -> tuple[float, float]:
-        """The storage's full read bandwidth and what `io_depth` reads in flight get of it."""
-        tier = self.tiers(self.deployment())[1]
-        return tier.read_bw, tier.bandwidth(self.io_depth)
+    def storage_read_bw(self) -> dict[str, tuple[float, float]]:
+        """Each storage tier's full read bandwidth and what `io_depth` reads in flight get of it."""
+        return {t.name: (t.read_bw, t.bandwidth(self.io_depth)) for t in self.tiers(self.deployment())[1:]}
 
 
 @dataclass(frozen=True)
@@ -203,7 +211,7 @@ def run_setup(setup: Setup, policy: Policy, workload: str, load: Load, seed: int
     preload = {}
     if warm:
         stored = [b for r in requests for b in r.hash_ids[: (r.input_len - 1) // BLOCK_TOKENS]]
-        preload = {("dram" if policy is Policy.DRAM else tiers[1].name): stored}
+        preload = {("dram" if policy is Policy.DRAM else tiers[-1].name): stored}  # cold: in the farthest tier
     config = SimConfig(
         dep,
         policy,
@@ -225,9 +233,9 @@ def sweep_storage_bw(
     tolerance: float = 0.10,
     progress: Callable[[], None] | None = None,
 ) -> tuple[list[tuple[float, float, float]], float | None]:
-    """TTFT p50 of prefetch vs the all-in-DRAM bound at each storage bandwidth (the storage's full bandwidth;
-    `setup.io_depth` reads in flight may get less of it); the smallest bandwidth where prefetch lands within
-    `tolerance` of the bound is the one that hides storage latency."""
+    """TTFT p50 of prefetch vs the all-in-DRAM bound at each bandwidth of the farthest storage tier (its full
+    bandwidth; `setup.io_depth` reads in flight may get less of it); the smallest bandwidth where prefetch lands
+    within `tolerance` of the bound is the one that hides storage latency."""
     bound = run_setup(setup, Policy.DRAM, workload, load).ttft_p(50)
     rows, enough = [], None
     for bw in sorted(bws_gbps):
