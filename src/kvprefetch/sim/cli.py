@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -241,8 +240,7 @@ def register(app: typer.Typer) -> None:
         if scenario:
             _run_scenario(scenario, trace, json, plots)
             return
-        setup = _setup(model, accelerator, tp, storage, efficiency, dram_gb, io_depth, calibration)
-        setup = replace(setup, queue_aware_eviction=eviction is Eviction.QUEUE_AWARE)
+        setup = _setup(model, accelerator, tp, storage, efficiency, dram_gb, io_depth, calibration, eviction)
         loads = _loads(workload, concurrency, rate)
         try:
             parse_workload(workload, loads[0])  # a bad spec or an unreadable trace fails here, by name
@@ -288,6 +286,7 @@ def _setup(
     dram_gb: float | None,
     io_depth: int,
     calibration: Path | None,
+    eviction: Eviction,
 ) -> Setup:
     """The free-form setup, checked before any run: unknown names and unusable calibrations fail here, by name.
     Says what was measured (this-cpu) and what the storage delivers at this io depth, so a slow result is not
@@ -297,7 +296,8 @@ def _setup(
         if model is None:
             calibrated = accelerator == THIS_CPU and path is not None
             model = Setup(accelerator=THIS_CPU, calibration=path).measured().model if calibrated else DEFAULT_MODEL
-        setup = Setup(model, accelerator, tp, storage, efficiency, dram_gb, io_depth=io_depth, calibration=path)
+        setup = Setup(model, accelerator, tp, storage, efficiency, dram_gb, io_depth=io_depth, calibration=path,
+                      queue_aware_eviction=eviction is Eviction.QUEUE_AWARE)  # fmt: skip
         _ = setup.deployment().kv_capacity_tokens  # a model that does not fit fails here
         bandwidths = setup.storage_read_bw()
     except KeyError as err:
