@@ -74,6 +74,22 @@ def test_markdown_report_has_tables_regime_whitepaper_and_missing_modes():
         assert png in md
 
 
+@pytest.mark.parametrize(
+    ("reason", "known"),
+    [
+        ("RuntimeError: shape mismatch: value tensor of shape [2048, 2, 128] cannot be broadcast to indexing "
+         "result of shape [3200, 2, 128]", True),
+        ("EngineError: engine exited with code 1", False),
+    ],
+)  # fmt: skip
+def test_report_explains_a_peer_failure_we_have_traced_and_only_that_one(reason, known):
+    results = _results()
+    results["rows"].append({"mode": "vllm-example", "concurrency": 16, "status": "failed", "reason": reason})
+    line = next(x for x in markdown_report(results).splitlines() if x.startswith("- `vllm-example`"))
+    assert reason in line
+    assert ("(known: vLLM's ExampleConnector (a debug connector) stores a prompt only in the step" in line) == known
+
+
 def test_report_lists_each_engines_calibration_beside_the_medians_the_replay_took():
     results = _results()
     assert "Calibrated on" not in markdown_report(results)  # one engine's calibration: nothing to compare

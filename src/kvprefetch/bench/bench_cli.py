@@ -212,6 +212,7 @@ def run_and_report(opts) -> dict:
     )
 
     from kvprefetch.bench.client import EngineError
+    from kvprefetch.bench.modes import known_failure
     from kvprefetch.bench.report import rich_table, row_cells, write_outputs
     from kvprefetch.bench.runner import Bench, simulator_prediction
 
@@ -269,6 +270,8 @@ def run_and_report(opts) -> dict:
     for r in results["rows"]:
         if r.get("status") != "ok":
             console.print(f"[yellow]{r['mode']} @ {r['concurrency']}: {r.get('status')}: {r.get('reason')}[/yellow]")
+            if why := known_failure(r["mode"], r.get("reason")):
+                console.print(f"  known: {why}")
     for n in results.get("notes", []):
         console.print(f"[yellow]note:[/yellow] {n.splitlines()[0]}")
     console.print(f"wrote {', '.join(str(opts.out / f) for f in files)}")

@@ -24,6 +24,23 @@ MODES: dict[str, str] = {
     "tier, both starting from the prelude), prefetch on",
 }
 
+KNOWN_PEER_FAILURES: dict[str, tuple[str, str]] = {
+    "vllm-example": (
+        "shape mismatch",
+        "vLLM's ExampleConnector (a debug connector) stores a prompt only in the step that first schedules it, "
+        "with the blocks allocated by then: a prompt whose prefill is chunked over several steps is saved short "
+        "under its whole length's name, and the next request with that prompt fails to load it",
+    ),
+}
+"""Failures of a peer's own connector that we have traced: (text in the error, why), so a report can say so."""
+
+
+def known_failure(mode: str, reason: str | None) -> str | None:
+    """Why a peer's cell failed, where the error is one we have traced to the peer itself."""
+    known = KNOWN_PEER_FAILURES.get(mode)
+    return known[1] if known and reason and known[0] in reason else None
+
+
 TWO_INSTANCE_MODES = ("shared-2x", "private-2x")
 REMOTE_MODES = ("prefetch-remote",)
 

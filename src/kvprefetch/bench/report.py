@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvprefetch.bench.modes import known_failure
 from kvprefetch.bench.stats import ratio
 
 WHITEPAPER = {
@@ -193,7 +194,11 @@ def markdown_report(results: dict) -> str:
             tokens = "-" if got is None or want is None else f"{got} / {want}"
             lines.append(f"| {p['mode']} | {p['concurrency']} | {p['predicted']:.3f} | {meas} | {tokens} |")
         lines.append("")
-    missing = {r["mode"]: f"{r.get('status')}: {r.get('reason')}" for r in rows if r.get("status") != "ok"}
+    missing = {}
+    for r in rows:
+        if r.get("status") != "ok":
+            why = known_failure(r["mode"], r.get("reason"))
+            missing[r["mode"]] = f"{r.get('status')}: {r.get('reason')}" + (f" (known: {why})" if why else "")
     if missing:
         lines += ["## Modes not run (or failed)", ""] + [f"- `{k}`: {v}" for k, v in missing.items()] + [""]
     if results.get("notes"):
