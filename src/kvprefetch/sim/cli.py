@@ -13,6 +13,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvprefetch.config import IOConfig
+from kvprefetch.sim.calibration import load_bench_calibration
 from kvprefetch.sim.freeform import (
     DEFAULT_MODEL,
     THIS_CPU,
@@ -295,7 +296,7 @@ def _setup(
     try:
         if model is None:
             calibrated = accelerator == THIS_CPU and path is not None
-            model = Setup(accelerator=THIS_CPU, calibration=path).measured().model if calibrated else DEFAULT_MODEL
+            model = load_bench_calibration(path).model if calibrated else DEFAULT_MODEL
         setup = Setup(model, accelerator, tp, storage, efficiency, dram_gb, io_depth=io_depth, calibration=path,
                       queue_aware_eviction=eviction is Eviction.QUEUE_AWARE)  # fmt: skip
         _ = setup.deployment().kv_capacity_tokens  # a model that does not fit fails here

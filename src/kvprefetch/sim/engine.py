@@ -191,9 +191,7 @@ class Simulator:
             n_hbm += 1
         st.hbm_tokens = n_hbm * size
         st.ext_tokens = (len(st.prefix_blocks) - n_hbm) * size
-        st.ext_bytes_by_tier = {}
-        for _, where in st.prefix_blocks[n_hbm:]:
-            st.ext_bytes_by_tier[where] = st.ext_bytes_by_tier.get(where, 0.0) + size * self.kv_per_token
+        st.ext_bytes_by_tier = self._bytes_by_tier(st.prefix_blocks[n_hbm:])
         st.hbm_tail = self._cached_tail(st, n_hbm)
         st.hbm_tokens += st.hbm_tail
         if self.cfg.load_vs_recompute and st.ext_tokens:
@@ -249,18 +247,22 @@ class Simulator:
                     room -= 1
                 kept.append((b, where))
             blocks = kept
-        block_bytes = self.cfg.block_tokens * self.kv_per_token
-        by_tier: dict[str, float] = {}
-        for _, where in blocks:
-            if where in self.pipes:
-                by_tier[where] = by_tier.get(where, 0.0) + block_bytes
         done = t
-        for name, nbytes in by_tier.items():
-            done = max(done, self.pipes[name].transfer(t, nbytes))
+        for name, nbytes in self._bytes_by_tier(blocks).items():
+            if name in self.pipes:
+                done = max(done, self.pipes[name].transfer(t, nbytes))
         st.fetched_to_dram_at = done
         if dram is not None:
             for b, _ in blocks:
                 dram.insert(b)
+
+    def _bytes_by_tier(self, blocks: Iterable[tuple[int, str]]) -> dict[str, float]:
+        """KV bytes of (block, where) pairs, summed by where they are."""
+        out: dict[str, float] = {}
+        block_bytes = self.cfg.block_tokens * self.kv_per_token
+        for _, where in blocks:
+            out[where] = out.get(where, 0.0) + block_bytes
+        return out
 
     # ---- admission and steps ----------------------------------------------------------------------
     def _lookup_again(self, st: _Req) -> None:

@@ -117,12 +117,12 @@ class Setup:
             tiers.append(TierSpec(storage.name, capacity, bw, storage.latency_s, storage.parallelism))
         return tuple(tiers)
 
-    def machine_overheads(self) -> dict:
-        """What `this-cpu` adds to a run's config: its front end's latency per request and, as the bench's engine
-        copies KV on the cores it computes on, the CPU per byte moved."""
+    def machine_overheads(self, dep: Deployment) -> dict:
+        """What `this-cpu` (deployed as `dep`) adds to a run's config: its front end's latency per request and, as
+        the bench's engine copies KV on the cores it computes on, the CPU per byte moved."""
         if self.accelerator != THIS_CPU:
             return {}
-        cal, dep = self.measured(), self.deployment()
+        cal = self.measured()
         return {
             "request_overhead_s": request_overhead(cal, dep.accelerator.step_overhead_s),
             "io_cpu_s_per_byte": cal.io_cpu_s_per_byte or 0.0,
@@ -220,7 +220,7 @@ def run_setup(setup: Setup, policy: Policy, workload: str, load: Load, seed: int
         preload=preload,
         io_depth=setup.io_depth,
         queue_aware_eviction=setup.queue_aware_eviction,
-        **setup.machine_overheads(),
+        **setup.machine_overheads(dep),
     )
     return simulate(config, requests)
 
@@ -239,7 +239,7 @@ def sweep_storage_bw(
     bound = run_setup(setup, Policy.DRAM, workload, load).ttft_p(50)
     rows, enough = [], None
     for bw in sorted(bws_gbps):
-        s = Setup(**{**setup.__dict__, "storage_bw": bw * 1e9})
+        s = replace(setup, storage_bw=bw * 1e9)
         ttft = run_setup(s, Policy.PREFETCH, workload, load).ttft_p(50)
         rows.append((bw, ttft, bound))
         if enough is None and ttft <= bound * (1 + tolerance):
