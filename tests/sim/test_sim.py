@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from kvprefetch.sim.catalog import ACCELERATORS, MODELS
 from kvprefetch.sim.costs import Deployment
 from kvprefetch.sim.engine import SimConfig, simulate
+from kvprefetch.sim.fit import solve_one
 from kvprefetch.sim.freeform import Load, Setup, run_setup
 from kvprefetch.sim.hitratio import hit_ratio_curve
 from kvprefetch.sim.policy import Policy
@@ -25,13 +26,12 @@ from kvprefetch.workload.request import Request, TokenRecipe
 TRACE = Path(__file__).resolve().parents[2] / "../shared/data/mooncake/synthetic_trace.jsonl"
 
 # |error %| allowed on every predicted (non-fitted) row. The project goal is 15%; the rows that cannot get
-# there carry the reason in their `note` (scenarios.C8_NOTE, GAIN_NOTE, R1_NOTE) and an honest bound here.
+# there carry the reason in their `note` (scenarios.C8_NOTE, GAIN_NOTE) and an honest bound here.
 TOLERANCE_PCT = {"mooncake": 5.0, "seed-r1": 15.0, "seed-r2": 15.0, "seed-r2-recompute": 15.0, "seed-r3": 15.0}
 ROW_TOLERANCE_PCT = {
     ("seed-r2", "ttft_p50_s ondemand-sync c8"): 20.0,
     ("seed-r2", "ttft_p50_s prefetch c8"): 26.0,
     ("seed-r2", "throughput_gain_pct c16"): 17.0,
-    ("seed-r1", "ttft_p50_s 5.23GB/s"): 32.0,
 }
 FITTED_TOLERANCE_PCT = 3.0  # fitted rows must still match after any model change (refit otherwise)
 
@@ -150,6 +150,14 @@ def test_each_free_parameter_is_fitted_on_one_row():
     fitted = [(p.scenario, p.metric) for p in PUBLISHED if p.fitted]
     assert sorted(fitted) == sorted(FITTED_BY.values())
     assert len(fitted) == len(set(fitted)) == len(FIT.__dataclass_fields__)
+
+
+@pytest.mark.parametrize("name", list(FITTED_BY))
+def test_frozen_free_parameters_are_what_the_fit_finds(name):
+    # `python -m kvprefetch.sim.fit` must reproduce scenarios.FIT: a model change that moves a fitted row
+    # needs a refit, not a stale constant (efficiency is frozen to 3 significant digits)
+    found = getattr(solve_one(FIT, name), name)
+    assert found == pytest.approx(getattr(FIT, name), rel=1e-3)
 
 
 def test_sync_baseline_queues_in_admission_not_in_decode():

@@ -24,7 +24,13 @@ and at 5.23 GB/s in parallel: `R1_IO_DEPTH`), the model and accelerator shapes (
 The fitted efficiency is low (2% of the catalog's estimated MI308X FP8 peak, ~1.1k prefill tokens/s for
 the 480B model): it is what the paper's recompute baseline measured (18x slower than prefetch), and it
 absorbs all the roofline cannot see (FP8 MoE kernels on ROCm, TP8 all-reduce, long-context attention, an
-estimated peak). R1 reuses it.
+estimated peak).
+
+R1 runs on R2's deployment too. Its deployment is not stated apart from "one GPU" (the issue's words), but
+the whitepaper names one model, the 480B, whose FP8 weights (480 GB) need at least three MI308X (192 GB
+each): "one GPU" cannot be literal for it, so R1 is read as one instance of the paper's own deployment
+reading its array with one stream or six. Nothing is invented; only R1's context is fitted, on its
+0.98 GB/s point. The other reading, a model the paper never names on one GPU, would rest on a guess.
 """
 
 from __future__ import annotations
@@ -56,11 +62,6 @@ read serially, one stream (`R1_IO_DEPTH`)."""
 R1_IO_DEPTH = {"0.98GB/s": 1, "5.23GB/s": PARALLEL_READS}
 """R1's two points are the same array read two ways: serially (0.98 GB/s) and in parallel (5.23 GB/s)."""
 
-R1_MODEL = "qwen3-coder-30b-a3b-fp8"
-"""R1's model is not stated; one MI308X cannot hold the 480B model, so we assume the same family's
-30B-A3B model (an assumption, not a fit), with R2's workload shape, efficiency and token budget."""
-
-
 @dataclass(frozen=True)
 class WhitepaperFit:
     """Free parameters of the whitepaper runs; each is fitted on one row (see `FITTED_BY`)."""
@@ -70,7 +71,7 @@ class WhitepaperFit:
     output_tokens: int = 64
     efficiency: float = 0.0199  # of the catalog's (estimated) MI308X FP8 peak; see the catalog entry
     token_budget: int = 1824  # vLLM's max_num_batched_tokens (only new tokens count)
-    r1_context_tokens: int = 19968
+    r1_context_tokens: int = 8704  # 2.2 GB of KV per request: 2.26 s from one 0.98 GB/s stream
 
 
 FIT = WhitepaperFit()
@@ -98,9 +99,8 @@ GAIN_NOTE = (
     "gain, and c16 is the run with the outlying TTFT cut (-32% vs -26% at c8 and c32)"
 )
 R1_NOTE = (
-    "R1's model, efficiency and workload are not stated; predicted with R2's workload and efficiency "
-    "on an assumed 30B-A3B model: the per-request compute that sets the high-bandwidth floor "
-    "(published: 16 x 0.17 s) comes out about twice the published one"
+    "R1's deployment is not stated: read as one instance of the whitepaper's own (480B, TP8), since the 480B "
+    "cannot run on one GPU; an unnamed smaller model on one GPU would be a guess (module docstring)"
 )
 
 
@@ -210,13 +210,7 @@ def simulate_metric(p: Published, fit: WhitepaperFit = FIT) -> float:
         # in 1/bandwidth with a positive intercept (37.97 = 34.6/0.98 + 2.7; 9.30 = 34.6/5.23 + 2.7): serialised
         # loads plus compute. With prefetch the intercept would be negative (decode overlaps the queue).
         res = run_whitepaper(
-            Policy.ONDEMAND_SYNC,
-            16,
-            fit=fit,
-            model=R1_MODEL,
-            tp=1,
-            context=fit.r1_context_tokens,
-            io_depth=R1_IO_DEPTH[words[1]],
+            Policy.ONDEMAND_SYNC, 16, fit=fit, context=fit.r1_context_tokens, io_depth=R1_IO_DEPTH[words[1]]
         )
         return res.ttft_p(50)
     conc = int(words[-1].removeprefix("c"))
