@@ -202,3 +202,44 @@ def test_cli_lists_each_storage_tier_nearest_first_and_refuses_a_repeat():
     assert text.index("local-nvme: 6.90 GB/s") < text.index("nvmeof-100gbe-raid0: 5.23 GB/s, 3.92 GB/s")
     code, text = _sim("--storage", "nfs,nfs", "--concurrency", "2")
     assert code != 0 and "storage names one or more distinct tiers, nearest first" in text
+
+
+def test_cli_says_where_hits_came_from_and_when_hbm_alone_served_them(tmp_path):
+    # a short chat fits in 8x H200's HBM: every hit is the engine's own, and no policy changes anything
+    out = tmp_path / "rows.json"
+    code, text = _sim("--model", "deepseek-v3", "--accelerator", "h200", "--workload", "chat", "--concurrency", "4",
+                      "--policies", "recompute,prefetch", "--json", str(out))  # fmt: skip
+    assert code == 0, text
+    assert "every hit came from the engine's own prefix cache in HBM" in text
+    rows = json.loads(out.read_text())
+    assert all(set(r["served_from"]) == {"computed", "hbm"} for r in rows)
+    assert all(r["served_from"]["hbm"] == pytest.approx(r["hit_ratio"]) for r in rows)
+    # the cold-read workload sits only in storage: prefetch's hits come through DRAM, none from HBM
+    code, text = _sim("--concurrency", "2", "--policies", "recompute,prefetch", "--efficiency", "0.05",
+                      "--json", str(out))  # fmt: skip
+    assert code == 0, text
+    assert "every hit came from" not in text and "every prompt was recomputed" not in text
+    recompute, prefetch = json.loads(out.read_text())
+    assert set(recompute["served_from"]) == {"computed"}
+    assert prefetch["served_from"]["dram"] == pytest.approx(prefetch["hit_ratio"]) and prefetch["hit_ratio"] > 0.8
+    assert sum(prefetch["served_from"].values()) == pytest.approx(1.0)
+
+
+def test_cli_says_when_the_load_or_recompute_rule_left_storage_unread():
+    # at 40% of peak the 480B prefills a 16k-token prompt faster than 3.9 GB/s brings its 4 GB of KV
+    code, text = _sim("--concurrency", "2", "--policies", "recompute,prefetch")
+    assert code == 0, text
+    assert "every prompt was recomputed: this engine prefills a prompt faster than storage delivers its KV" in text
+
+
+def test_cli_says_when_a_workload_reuses_nothing(tmp_path):
+    trace = tmp_path / "unique.jsonl"
+    ids = [[10 * i + j for j in range(4)] for i in range(4)]  # four prompts, no block in common
+    lines = [
+        {"timestamp": 1000 * i, "input_length": 2048, "output_length": 16, "hash_ids": h}
+        for i, h in enumerate(ids)
+    ]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    code, text = _sim("--workload", f"trace:{trace}", "--policies", "recompute,prefetch")
+    assert code == 0, text
+    assert "this workload reuses no prompt tokens" in text

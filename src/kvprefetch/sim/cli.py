@@ -23,6 +23,7 @@ from kvprefetch.sim.freeform import (
     default_bandwidths,
     parse_workload,
     run_setup,
+    starts_warm,
     sweep_storage_bw,
 )
 from kvprefetch.sim.policy import Policy
@@ -328,7 +329,8 @@ def _run_freeform(
     eviction = Eviction.QUEUE_AWARE if setup.queue_aware_eviction else Eviction.LRU
     title = f"{dep.model.name} on {dep.tp}x {dep.accelerator.name}, {setup.storage}, {workload}"
     table = Table(title=title + ("" if setup.dram_gb is None else f", {setup.dram_gb:g} GB DRAM ({eviction})"))
-    for col in ("policy", "load", "TTFT p50 s", "TTFT p90 s", "output tok/s", "hit ratio", "stall s"):
+    table.add_column("policy", no_wrap=True, min_width=max(len(p.value) for p in policies))
+    for col in ("load", "TTFT p50 s", "TTFT p90 s", "output tok/s", "hit ratio", "from tiers", "stall s"):
         table.add_column(col)
     rows, series = [], {}
     with Progress(console=console, transient=True) as bar:
@@ -346,6 +348,7 @@ def _run_freeform(
                         "ttft_p90_s": r.ttft_p(90),
                         "output_tok_s": r.output_tok_s,
                         "hit_ratio": r.hit_ratio,
+                        "served_from": r.served_from(),
                         "stall_s": r.stall_s,
                         "eviction": eviction.value,
                         "storage_read_gb": sum(v for k, v in r.bytes_read.items() if k != "host") / 1e9,
@@ -361,9 +364,12 @@ def _run_freeform(
             f"{row['ttft_p90_s']:.2f}",
             f"{row['output_tok_s']:.1f}",
             f"{row['hit_ratio']:.2f}",
+            f"{_from_tiers(row['served_from']):.2f}",
             f"{row['stall_s']:.1f}",
         )
     console.print(table)
+    if policies != [Policy.RECOMPUTE] and not any(_from_tiers(row["served_from"]) for row in rows):
+        console.print(_why_no_tier_served(rows, workload))
     if json_path:
         json_path.write_text(jsonlib.dumps(rows, indent=2) + "\n")
     if plots and workload.startswith("trace:"):  # one load, the trace's own: its reuse against pool capacity
@@ -374,6 +380,28 @@ def _run_freeform(
 
         xlabel = "concurrency" if loads[0].concurrency else "sessions starting per second"
         ttft_vs_concurrency(series, plots / "ttft_vs_concurrency.png", xlabel=xlabel)
+
+
+def _why_no_tier_served(rows: list[dict], workload: str) -> str:
+    """Why every policy gave the same run: the tiers served nothing, and the reason decides what to change."""
+    if any(row["served_from"].get("hbm") for row in rows):
+        return (
+            "every hit came from the engine's own prefix cache in HBM: this workload's reuse fits in HBM, so the "
+            "tiers below it and the policies change nothing here (a larger workload, e.g. --workload context, "
+            "reaches them)"
+        )
+    if starts_warm(workload):
+        return (
+            "every prompt was recomputed: this engine prefills a prompt faster than storage delivers its KV, so the "
+            "load-or-recompute rule never loads (faster storage or a slower engine changes that: --sweep, "
+            "--efficiency)"
+        )
+    return "this workload reuses no prompt tokens: there is nothing for a cache to serve"
+
+
+def _from_tiers(served_from: dict[str, float]) -> float:
+    """Share of prompt tokens served from below HBM (DRAM or storage): the hits the tiers and the policies act on."""
+    return sum(v for k, v in served_from.items() if k not in ("computed", "hbm"))
 
 
 def _plot_hit_ratio(requests: list, trace: Path, plots: Path) -> None:

@@ -50,3 +50,9 @@ class SimResult:
         """Share of prompt tokens not computed (served by HBM's prefix cache or any tier)."""
         total = sum(self.tokens_from.values())
         return 1.0 - self.tokens_from.get("computed", 0) / total if total else 0.0
+
+    def served_from(self) -> dict[str, float]:
+        """Share of prompt tokens by where they came from ("computed", "hbm", a tier), the empty sources left out:
+        a run whose hits all come from HBM's prefix cache is one the tiers below it cannot change."""
+        total = sum(self.tokens_from.values())
+        return {k: v / total for k, v in self.tokens_from.items() if v} if total else {}
