@@ -236,8 +236,7 @@ def test_cli_says_when_a_workload_reuses_nothing(tmp_path):
     trace = tmp_path / "unique.jsonl"
     ids = [[10 * i + j for j in range(4)] for i in range(4)]  # four prompts, no block in common
     lines = [
-        {"timestamp": 1000 * i, "input_length": 2048, "output_length": 16, "hash_ids": h}
-        for i, h in enumerate(ids)
+        {"timestamp": 1000 * i, "input_length": 2048, "output_length": 16, "hash_ids": h} for i, h in enumerate(ids)
     ]
     trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
     code, text = _sim("--workload", f"trace:{trace}", "--policies", "recompute,prefetch")

@@ -62,6 +62,7 @@ read serially, one stream (`R1_IO_DEPTH`)."""
 R1_IO_DEPTH = {"0.98GB/s": 1, "5.23GB/s": PARALLEL_READS}
 """R1's two points are the same array read two ways: serially (0.98 GB/s) and in parallel (5.23 GB/s)."""
 
+
 @dataclass(frozen=True)
 class WhitepaperFit:
     """Free parameters of the whitepaper runs; each is fitted on one row (see `FITTED_BY`)."""
