@@ -19,7 +19,7 @@ from kvprefetch.sim.block_pool import BlockPool
 from kvprefetch.sim.costs import Deployment
 from kvprefetch.sim.policy import Policy
 from kvprefetch.sim.result import SimResult
-from kvprefetch.sim.tiers import BlockCache, Pipe, TierSpec
+from kvprefetch.sim.tiers import BlockCache, Pipe, TierSpec, Transfer
 from kvprefetch.workload.request import Request
 
 
@@ -30,6 +30,7 @@ class SimConfig:
     `tiers[0]` is host DRAM (read straight over the host link); the others are storage, read into DRAM
     first. `concurrency`: closed loop with that many sessions in flight; None: open loop at `arrival_s`.
     `preload` puts block ids in a tier before the run (the "cold reads" of a warm store).
+    `load_vs_recompute`: the connector's rule, applied when the scheduler reaches a request (`_maybe_recompute`).
     `request_overhead_s`: latency between a request's submission and its arrival in the engine's queue (the
     serving front end: a small engine's time to first token has a floor of its own).
     `hbm_cache_blocks` (default: the deployment's KV capacity): with `engine_block_pool`, the engine's whole KV
@@ -83,7 +84,8 @@ class _Req:
     hbm_tail: int = 0  # of hbm_tokens, those past the last whole block (engine_block_tokens)
     ext_tokens: int = 0
     ext_bytes_by_tier: dict[str, float] = field(default_factory=dict)
-    fetched_to_dram_at: float | None = None
+    fetched_at: float | None = None  # when its KV was last sent for into DRAM (None: never)
+    reads: list[tuple[str, Transfer, list[int]]] = field(default_factory=list)  # storage reads: tier, transfer, blocks
     kv_ready: float = 0.0
     offset: int = 0
     remaining: int = 0
@@ -92,6 +94,14 @@ class _Req:
     pool_held: tuple[list[int], int] = ([], 0)  # engine_block_pool: cached block ids held, other tokens held
     first_token: float = float("nan")
     done: float = float("nan")
+
+
+def _in_dram_at(st: _Req, pipes: dict[str, Pipe]) -> float | None:
+    """When the request's fetched KV is all in DRAM: its storage reads' ends, which move up when a read ahead
+    of them is cancelled (None: never fetched)."""
+    if st.fetched_at is None:
+        return None
+    return max([st.fetched_at, *(pipes[name].done_at(t) for name, t, _ in st.reads)])
 
 
 class _Driver:
@@ -174,8 +184,8 @@ class Simulator:
         heapq.heappush(self.arrivals, (t + self.cfg.request_overhead_s, next(self.seq), req, t))
 
     def _lookup(self, st: _Req) -> None:
-        """Longest prefix of the prompt's blocks found in HBM or any tier, block by block; external hits that
-        would load slower than they recompute are dropped (`load_vs_recompute`)."""
+        """Longest prefix of the prompt's blocks found in HBM or any tier, block by block. Whether the external
+        hits are worth loading is decided later, when the scheduler reaches the request (`_reach`)."""
         size = self.cfg.block_tokens
         st.prefix_blocks.clear()
         for b in self._usable_blocks(st.req):
@@ -194,8 +204,6 @@ class Simulator:
         st.ext_bytes_by_tier = self._bytes_by_tier(st.prefix_blocks[n_hbm:])
         st.hbm_tail = self._cached_tail(st, n_hbm)
         st.hbm_tokens += st.hbm_tail
-        if self.cfg.load_vs_recompute and st.ext_tokens:
-            self._maybe_recompute(st)
 
     def _cached_tail(self, st: _Req, n_hbm: int) -> int:
         """The engine caches a session's previous prompt to its own (smaller) block size: when every whole block
@@ -219,16 +227,20 @@ class Simulator:
         return st
 
     def _maybe_recompute(self, st: _Req) -> None:
-        """The load-vs-recompute rule: drop external hits whose transfer (at the tiers' bandwidth, not
-        counting queueing, which prefetch hides) would take longer than recomputing them."""
-        storage = sum(
-            b / self.pipes[n].bw + self.pipes[n].latency_s for n, b in st.ext_bytes_by_tier.items() if n in self.pipes
-        )
-        load = storage + sum(st.ext_bytes_by_tier.values()) / self.host.bw
+        """The load-vs-recompute rule, as the connector's `CostModel.plan` applies it when the scheduler reaches
+        a request: the load takes until its KV is in DRAM (a prefetch in flight: what it has left; blocks still in
+        storage: behind every read queued on their tier) plus the copy into HBM, and it is dropped when that is
+        longer than recomputing the same tokens on an idle engine (the connector's measured prefill speed)."""
+        ready = max(self.now, _in_dram_at(st, self.pipes) or self.now)
+        for name, nbytes in st.ext_bytes_by_tier.items():
+            if name in self.pipes:
+                ready = max(ready, self.pipes[name].estimate(self.now, nbytes))
+        load = ready - self.now + sum(st.ext_bytes_by_tier.values()) / self.host.bw
         key = (st.ext_tokens, st.hbm_tokens)
         if key not in self._recompute_cost:
             self._recompute_cost[key] = self.dep.prefill_time(st.ext_tokens, st.hbm_tokens)
         if load > self._recompute_cost[key]:
+            self._cancel_reads(st)
             st.ext_tokens, st.ext_bytes_by_tier = 0, {}
             st.prefix_blocks = [p for p in st.prefix_blocks if p[1] == "hbm"]
 
@@ -247,14 +259,26 @@ class Simulator:
                     room -= 1
                 kept.append((b, where))
             blocks = kept
-        done = t
-        for name, nbytes in self._bytes_by_tier(blocks).items():
-            if name in self.pipes:
-                done = max(done, self.pipes[name].transfer(t, nbytes))
-        st.fetched_to_dram_at = done
+        block_bytes = self.cfg.block_tokens * self.kv_per_token
+        for name in self.pipes:
+            ids = [b for b, where in blocks if where == name]
+            if ids:
+                st.reads.append((name, self.pipes[name].reserve(t, len(ids) * block_bytes), ids))
+        st.fetched_at = t
         if dram is not None:
             for b, _ in blocks:
                 dram.insert(b)
+
+    def _cancel_reads(self, st: _Req) -> None:
+        """The connector recomputes the request: its reads not done yet stop, and what they would have brought
+        into DRAM never arrives."""
+        block_bytes = self.cfg.block_tokens * self.kv_per_token
+        dram = self.caches[self.tiers[0].name]
+        for name, t, ids in st.reads:
+            kept = self.pipes[name].cancel(t, self.now)
+            for b in ids[int(kept // block_bytes) :]:
+                dram.discard(b)
+        st.reads.clear()
 
     def _bytes_by_tier(self, blocks: Iterable[tuple[int, str]]) -> dict[str, float]:
         """KV bytes of (block, where) pairs, summed by where they are."""
@@ -265,34 +289,36 @@ class Simulator:
         return out
 
     # ---- admission and steps ----------------------------------------------------------------------
-    def _lookup_again(self, st: _Req) -> None:
-        """The scheduler looks the engine's cache up when it admits a request, as vLLM does: engine hits evicted
-        since its arrival now come from a tier (or are computed), blocks cached since are hits. Only what is not
-        in DRAM yet (what prefetch has not already moved) is read from storage now."""
-        fetched = st.fetched_to_dram_at
+    def _reach(self, st: _Req) -> None:
+        """The scheduler reaches the request: it looks the engine's cache up again, as vLLM does (engine hits
+        evicted since its arrival now come from a tier or are computed, blocks cached since are hits), and the
+        connector decides whether the external hits load or are recomputed (`load_vs_recompute`). Only what
+        is not in DRAM yet (what prefetch has not already moved) is read from storage now."""
         self._lookup(st)
-        if fetched is not None and st.ext_tokens:
+        if self.cfg.load_vs_recompute and st.ext_tokens:
+            self._maybe_recompute(st)
+        if st.fetched_at is not None and st.ext_tokens:
             self._fetch_to_dram(st, self.now)
-            st.fetched_to_dram_at = max(fetched, st.fetched_to_dram_at or fetched)
 
     def _admit(self, st: _Req) -> None:
         req = st.req
         if self.cfg.queue_aware_eviction and self.tiers:
             self.caches[self.tiers[0].name].unpin(b for b, _ in st.prefix_blocks)
-        self._lookup_again(st)
-        if st.ext_tokens and st.fetched_to_dram_at is None:
+        self._reach(st)
+        if st.ext_tokens and st.fetched_at is None:
             self._fetch_to_dram(st, self.now)
         ext = sum(st.ext_bytes_by_tier.values())
-        in_dram = st.fetched_to_dram_at is not None and st.fetched_to_dram_at <= self.now
+        in_dram_at = _in_dram_at(st, self.pipes)
+        in_dram = in_dram_at is not None and in_dram_at <= self.now
         if self.cfg.sync_loads_in_step and (self.cfg.policy is Policy.ONDEMAND_SYNC or in_dram):
-            landed = self.host.transfer(max(self.now, st.fetched_to_dram_at or 0.0), ext) if ext else self.now
+            landed = self.host.transfer(max(self.now, in_dram_at or 0.0), ext) if ext else self.now
             self.stall_s += max(0.0, landed - max(self.now, self.step_floor))
             self.step_floor = max(self.step_floor, landed)
             st.kv_ready = self.now  # computed in this very step, which waits for the load
         elif self.cfg.policy is Policy.ONDEMAND_SYNC:
             st.kv_ready = max(st.kv_ready, self.now)  # loaded while it held the queue head
         else:
-            st.kv_ready = self.host.transfer(max(self.now, st.fetched_to_dram_at or 0.0), ext) if ext else self.now
+            st.kv_ready = self.host.transfer(max(self.now, in_dram_at or 0.0), ext) if ext else self.now
         st.offset = st.hbm_tokens + st.ext_tokens
         st.remaining = req.input_len - st.offset
         if self.pool is not None:
@@ -352,11 +378,12 @@ class Simulator:
         while budget > 0 and self.waiting and self._can_admit(self.waiting[0]):
             head = self.waiting[0]
             serial_sync = self.cfg.policy is Policy.ONDEMAND_SYNC and not self.cfg.sync_loads_in_step
-            if serial_sync and head.ext_tokens:
-                if head.fetched_to_dram_at is None:
+            if serial_sync and head.fetched_at is None:
+                self._reach(head)
+                if head.ext_tokens:
                     self._start_sync_load(head)  # the scheduler reaches it: its load starts now
-                if head.kv_ready > self.now:
-                    break  # FCFS: nothing behind a loading head is admitted
+            if serial_sync and head.kv_ready > self.now:
+                break  # FCFS: nothing behind a loading head is admitted
             st = self.waiting.popleft()
             self._admit(st)
             if st.kv_ready > self.now:
@@ -374,7 +401,7 @@ class Simulator:
         """On-demand load of the queue head: storage -> DRAM -> HBM, one request at a time."""
         self._fetch_to_dram(st, self.now)
         ext = sum(st.ext_bytes_by_tier.values())
-        st.kv_ready = self.host.transfer(max(self.now, st.fetched_to_dram_at or 0.0), ext)
+        st.kv_ready = self.host.transfer(max(self.now, _in_dram_at(st, self.pipes) or 0.0), ext)
         self.stall_s += st.kv_ready - self.now
 
     def _finish(self, st: _Req) -> None:

@@ -4,7 +4,7 @@ a FIFO pipe that turns bytes into arrival times."""
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 
@@ -36,27 +36,75 @@ class TierSpec:
         return self.read_bw * min(1.0, io_depth / self.parallelism)
 
 
+@dataclass(eq=False)
+class Transfer:
+    """One reservation on a `Pipe`: it moves `nbytes` from `begin` to `end`. A transfer ahead of it that is
+    cancelled moves it earlier, so its owner reads `Pipe.done_at` rather than keeping a time."""
+
+    start: float
+    nbytes: float
+    begin: float
+    end: float
+
+
 @dataclass
 class Pipe:
-    """A FIFO transfer channel: requests are served one after another at full bandwidth."""
+    """A FIFO transfer channel: requests are served one after another at full bandwidth. A reservation not yet
+    finished can be cancelled, as the connector cancels the reads of a request it decides to recompute: what has
+    not been read yet is dropped, and the transfers behind it move up."""
 
     bw: float
     latency_s: float = 0.0
     free_at: float = 0.0
     bytes_moved: float = 0.0
+    pending: deque[Transfer] = field(default_factory=deque)  # reservations not known to be finished, in order
+
+    def reserve(self, start: float, nbytes: float) -> Transfer:
+        """Reserve the channel for `nbytes` from `start` on."""
+        while self.pending and self.pending[0].end <= start:  # finished: nothing can move them any more
+            self.pending.popleft()
+        begin = max(start, self.free_at)
+        t = Transfer(start, nbytes, begin, begin + nbytes / self.bw)
+        self.free_at = t.end
+        self.bytes_moved += nbytes
+        self.pending.append(t)
+        return t
 
     def transfer(self, start: float, nbytes: float) -> float:
         """Reserve the channel for `nbytes` from `start` on; returns when the last byte lands."""
         if nbytes <= 0:
             return start
-        begin = max(start, self.free_at)
-        self.free_at = begin + nbytes / self.bw
-        self.bytes_moved += nbytes
-        return self.free_at + self.latency_s
+        return self.done_at(self.reserve(start, nbytes))
+
+    def done_at(self, t: Transfer) -> float:
+        return t.end + self.latency_s
 
     def estimate(self, start: float, nbytes: float) -> float:
         """When a transfer would finish, without reserving anything."""
         return max(start, self.free_at) + nbytes / self.bw + self.latency_s
+
+    def cancel(self, t: Transfer, now: float) -> float:
+        """Stop `t` at `now`: keep what it has read, drop the rest, move the transfers behind it up. Returns
+        the bytes it keeps."""
+        while self.pending and self.pending[0].end <= now:
+            self.pending.popleft()
+        if t not in self.pending:  # finished already
+            return t.nbytes
+        kept = max(0.0, (now - t.begin) * self.bw)
+        self.bytes_moved -= t.nbytes - kept
+        queue = list(self.pending)
+        i = queue.index(t)
+        free = now
+        if not kept:  # not begun: gone, and the pipe is free when the transfer before it ends
+            del self.pending[i]
+            free = max(now, queue[i - 1].end) if i else now
+        t.nbytes, t.end = kept, now
+        for later in queue[i + 1 :]:
+            later.begin = max(later.start, free)
+            later.end = later.begin + later.nbytes / self.bw
+            free = later.end
+        self.free_at = free
+        return kept
 
 
 @dataclass
@@ -69,6 +117,10 @@ class BlockCache:
 
     def __contains__(self, block: int) -> bool:
         return block in self.blocks
+
+    def discard(self, block: int) -> None:
+        """Forget a block that will not arrive after all (its read was cancelled)."""
+        self.blocks.pop(block, None)
 
     def touch(self, block: int) -> None:
         """Mark as just used (re-inserting it if it was evicted since the lookup)."""
