@@ -190,6 +190,7 @@ def test_a_local_nvme_in_front_of_a_slow_pool_serves_the_reuse_the_pool_is_too_s
     tiered = run_setup(replace(base, storage="local-nvme,nfs"), Policy.ONDEMAND, f"trace:{TRACE}", Load())
     # NFS alone loads slower than the engine recomputes: the load-or-recompute rule leaves only the engine's cache
     assert pool_only.hit_ratio < 0.2 and pool_only.bytes_read["nfs"] == 0
+    assert pool_only.recomputed_slower_tokens > 0.3 * pool_only.input_len.sum()
     # every prompt is written through to both; reuse that DRAM lost is read from the nearer, faster tier, as far as
     # its queue lets a load beat recomputing (this engine cannot keep up with the trace: queues are long)
     assert tiered.hit_ratio > 4 * pool_only.hit_ratio
@@ -227,12 +228,15 @@ def test_cli_says_where_hits_came_from_and_when_hbm_alone_served_them(tmp_path):
     assert sum(prefetch["served_from"].values()) == pytest.approx(1.0)
 
 
-def test_cli_says_when_the_load_or_recompute_rule_left_storage_unread():
+def test_cli_says_when_the_load_or_recompute_rule_left_storage_unread(tmp_path):
     # at 40% of peak the 480B prefills a 16k-token prompt faster than 3.9 GB/s brings its 4 GB of KV; one client
     # never queues, so no prefetch gets ahead of the request it reads for
-    code, text = _sim("--concurrency", "1", "--policies", "recompute,prefetch")
+    code, text = _sim("--concurrency", "1", "--policies", "recompute,prefetch", "--json", str(tmp_path / "rows.json"))
     assert code == 0, text
-    assert "every prompt was recomputed: this engine prefills a prompt faster than storage delivers its KV" in text
+    assert "the tiers held hits, but the load-or-recompute rule recomputed them all" in text
+    recompute, prefetch = json.loads((tmp_path / "rows.json").read_text())
+    assert recompute["recomputed_slower"] == 0  # no external cache: nothing to weigh
+    assert prefetch["recomputed_slower"] == pytest.approx(17920 / 18432)  # every stored block: all but the last
 
 
 def test_cli_says_when_a_workload_reuses_nothing(tmp_path):

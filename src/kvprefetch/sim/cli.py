@@ -23,7 +23,6 @@ from kvprefetch.sim.freeform import (
     default_bandwidths,
     parse_workload,
     run_setup,
-    starts_warm,
     sweep_storage_bw,
 )
 from kvprefetch.sim.policy import Policy
@@ -349,6 +348,7 @@ def _run_freeform(
                         "output_tok_s": r.output_tok_s,
                         "hit_ratio": r.hit_ratio,
                         "served_from": r.served_from(),
+                        "recomputed_slower": r.recomputed_slower_tokens / max(1, sum(r.tokens_from.values())),
                         "stall_s": r.stall_s,
                         "eviction": eviction.value,
                         "storage_read_gb": sum(v for k, v in r.bytes_read.items() if k != "host") / 1e9,
@@ -369,7 +369,7 @@ def _run_freeform(
         )
     console.print(table)
     if policies != [Policy.RECOMPUTE] and not any(_from_tiers(row["served_from"]) for row in rows):
-        console.print(_why_no_tier_served(rows, workload))
+        console.print(_why_no_tier_served(rows))
     if json_path:
         json_path.write_text(jsonlib.dumps(rows, indent=2) + "\n")
     if plots and workload.startswith("trace:"):  # one load, the trace's own: its reuse against pool capacity
@@ -382,19 +382,18 @@ def _run_freeform(
         ttft_vs_concurrency(series, plots / "ttft_vs_concurrency.png", xlabel=xlabel)
 
 
-def _why_no_tier_served(rows: list[dict], workload: str) -> str:
+def _why_no_tier_served(rows: list[dict]) -> str:
     """Why every policy gave the same run: the tiers served nothing, and the reason decides what to change."""
+    if any(row["recomputed_slower"] for row in rows):
+        return (
+            "the tiers held hits, but the load-or-recompute rule recomputed them all: loading was slower than this "
+            "engine's prefill (storage too slow for it, or its queue too long; see --sweep, --efficiency)"
+        )
     if any(row["served_from"].get("hbm") for row in rows):
         return (
             "every hit came from the engine's own prefix cache in HBM: this workload's reuse fits in HBM, so the "
             "tiers below it and the policies change nothing here (a larger workload, e.g. --workload context, "
             "reaches them)"
-        )
-    if starts_warm(workload):
-        return (
-            "every prompt was recomputed: this engine prefills a prompt faster than storage delivers its KV, so the "
-            "load-or-recompute rule never loads (faster storage or a slower engine changes that: --sweep, "
-            "--efficiency)"
         )
     return "this workload reuses no prompt tokens: there is nothing for a cache to serve"
 

@@ -86,6 +86,7 @@ class _Req:
     ext_bytes_by_tier: dict[str, float] = field(default_factory=dict)
     fetched_at: float | None = None  # when its KV was last sent for into DRAM (None: never)
     reads: list[tuple[str, Transfer, list[int]]] = field(default_factory=list)  # storage reads: tier, transfer, blocks
+    recomputed_slower: int = 0  # hit tokens the rule recomputed, as the connector decided when it reached it
     kv_ready: float = 0.0
     offset: int = 0
     remaining: int = 0
@@ -170,6 +171,7 @@ class Simulator:
         self.finished: list[_Req] = []
         self.tokens_from: dict[str, int] = {"computed": 0, "hbm": 0} | {t.name: 0 for t in self.tiers}
         self.stall_s = 0.0
+        self.recomputed_slower = 0  # tier hits the load-or-recompute rule recomputed (the connector's counter)
         self.steps = 0
         self._recompute_cost: dict[tuple[int, int], float] = {}
         self.step_floor = 0.0  # the running step cannot end before its in-step loads land
@@ -239,7 +241,9 @@ class Simulator:
         key = (st.ext_tokens, st.hbm_tokens)
         if key not in self._recompute_cost:
             self._recompute_cost[key] = self.dep.prefill_time(st.ext_tokens, st.hbm_tokens)
+        st.recomputed_slower = 0
         if load > self._recompute_cost[key]:
+            st.recomputed_slower = st.ext_tokens
             self._cancel_reads(st)
             st.ext_tokens, st.ext_bytes_by_tier = 0, {}
             st.prefix_blocks = [p for p in st.prefix_blocks if p[1] == "hbm"]
@@ -305,6 +309,7 @@ class Simulator:
         if self.cfg.queue_aware_eviction and self.tiers:
             self.caches[self.tiers[0].name].unpin(b for b, _ in st.prefix_blocks)
         self._reach(st)
+        self.recomputed_slower += st.recomputed_slower
         if st.ext_tokens and st.fetched_at is None:
             self._fetch_to_dram(st, self.now)
         ext = sum(st.ext_bytes_by_tier.values())
@@ -546,6 +551,7 @@ class Simulator:
             tokens_from=dict(self.tokens_from),
             bytes_read=bytes_read,
             stall_s=self.stall_s,
+            recomputed_slower_tokens=self.recomputed_slower,
             steps=self.steps,
         )
 

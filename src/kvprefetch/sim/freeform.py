@@ -174,15 +174,9 @@ class Load:
         return max(self.MIN_SESSIONS, math.ceil(self.rate_per_s * self.OPEN_LOOP_S))
 
 
-def starts_warm(spec: str) -> bool:
-    """Whether storage starts with every request's reusable prefix: true for `context`, the whitepaper's
-    cold-read setup; a chat or a trace fills the tiers as it runs."""
-    return spec.partition(":")[0] == "context"
-
-
 def parse_workload(spec: str, load: Load, seed: int = 0) -> tuple[list[Request], bool]:
     """`chat`, `context:CTX,NEW,OUT` or `trace:PATH`; returns the requests and whether storage starts
-    warm (`starts_warm`)."""
+    warm with every request's reusable prefix (true for `context`, the whitepaper's cold-read setup)."""
     kind, _, arg = spec.partition(":")
     if kind == "trace":
         if load.concurrency is not None or load.rate_per_s is not None:
@@ -206,7 +200,7 @@ def parse_workload(spec: str, load: Load, seed: int = 0) -> tuple[list[Request],
         if load.rate_per_s is not None:
             gaps = np.random.default_rng(seed).exponential(1.0 / load.rate_per_s, len(requests))
             requests = [replace(r, arrival_s=float(t)) for r, t in zip(requests, np.cumsum(gaps), strict=True)]
-        return requests, starts_warm(spec)
+        return requests, True
     raise ValueError(f"unknown workload {spec!r}: use chat, context:CTX,NEW,OUT or trace:PATH")
 
 

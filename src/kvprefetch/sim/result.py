@@ -13,7 +13,8 @@ class SimResult:
 
     `tokens_from`: prompt tokens by where they were when their request was admitted ("computed", "hbm", or a
     tier: a prefetched block counts for DRAM); `bytes_read`: bytes each storage tier (and the host link) moved,
-    re-reads of evicted blocks included."""
+    re-reads of evicted blocks included; `recomputed_slower_tokens`: of the computed ones, those a tier held but
+    the load-or-recompute rule recomputed because loading them would have been slower."""
 
     submit: np.ndarray
     first_token: np.ndarray
@@ -24,6 +25,7 @@ class SimResult:
     bytes_read: dict[str, float] = field(default_factory=dict)
     stall_s: float = 0.0
     steps: int = 0
+    recomputed_slower_tokens: int = 0
 
     @property
     def requests(self) -> int:
