@@ -84,7 +84,7 @@ class _Req:
     hbm_tail: int = 0  # of hbm_tokens, those past the last whole block (engine_block_tokens)
     ext_tokens: int = 0
     ext_bytes_by_tier: dict[str, float] = field(default_factory=dict)
-    fetched_at: float | None = None  # when its KV was last sent for into DRAM (None: never)
+    fetched_at: float | None = None  # when a read of its KV into DRAM was last issued (None: never)
     reads: list[tuple[str, Transfer, list[int]]] = field(default_factory=list)  # storage reads: tier, transfer, blocks
     recomputed_slower: int = 0  # hit tokens the rule recomputed, as the connector decided when it reached it
     kv_ready: float = 0.0
@@ -95,14 +95,6 @@ class _Req:
     pool_held: tuple[list[int], int] = ([], 0)  # engine_block_pool: cached block ids held, other tokens held
     first_token: float = float("nan")
     done: float = float("nan")
-
-
-def _in_dram_at(st: _Req, pipes: dict[str, Pipe]) -> float | None:
-    """When the request's fetched KV is all in DRAM: its storage reads' ends, which move up when a read ahead
-    of them is cancelled (None: never fetched)."""
-    if st.fetched_at is None:
-        return None
-    return max([st.fetched_at, *(pipes[name].done_at(t) for name, t, _ in st.reads)])
 
 
 class _Driver:
@@ -233,7 +225,7 @@ class Simulator:
         a request: the load takes until its KV is in DRAM (a prefetch in flight: what it has left; blocks still in
         storage: behind every read queued on their tier) plus the copy into HBM, and it is dropped when that is
         longer than recomputing the same tokens on an idle engine (the connector's measured prefill speed)."""
-        ready = max(self.now, _in_dram_at(st, self.pipes) or self.now)
+        ready = max(self.now, self._in_dram_at(st) or self.now)
         for name, nbytes in st.ext_bytes_by_tier.items():
             if name in self.pipes:
                 ready = max(ready, self.pipes[name].estimate(self.now, nbytes))
@@ -241,7 +233,6 @@ class Simulator:
         key = (st.ext_tokens, st.hbm_tokens)
         if key not in self._recompute_cost:
             self._recompute_cost[key] = self.dep.prefill_time(st.ext_tokens, st.hbm_tokens)
-        st.recomputed_slower = 0
         if load > self._recompute_cost[key]:
             st.recomputed_slower = st.ext_tokens
             self._cancel_reads(st)
@@ -284,6 +275,13 @@ class Simulator:
                 dram.discard(b)
         st.reads.clear()
 
+    def _in_dram_at(self, st: _Req) -> float | None:
+        """When the request's fetched KV is all in DRAM: its storage reads' ends, which move up when a read ahead
+        of them is cancelled (None: never fetched)."""
+        if st.fetched_at is None:
+            return None
+        return max([st.fetched_at, *(self.pipes[name].done_at(t) for name, t, _ in st.reads)])
+
     def _bytes_by_tier(self, blocks: Iterable[tuple[int, str]]) -> dict[str, float]:
         """KV bytes of (block, where) pairs, summed by where they are."""
         out: dict[str, float] = {}
@@ -299,6 +297,7 @@ class Simulator:
         connector decides whether the external hits load or are recomputed (`load_vs_recompute`). Only what
         is not in DRAM yet (what prefetch has not already moved) is read from storage now."""
         self._lookup(st)
+        st.recomputed_slower = 0
         if self.cfg.load_vs_recompute and st.ext_tokens:
             self._maybe_recompute(st)
         if st.fetched_at is not None and st.ext_tokens:
@@ -313,7 +312,7 @@ class Simulator:
         if st.ext_tokens and st.fetched_at is None:
             self._fetch_to_dram(st, self.now)
         ext = sum(st.ext_bytes_by_tier.values())
-        in_dram_at = _in_dram_at(st, self.pipes)
+        in_dram_at = self._in_dram_at(st)
         in_dram = in_dram_at is not None and in_dram_at <= self.now
         if self.cfg.sync_loads_in_step and (self.cfg.policy is Policy.ONDEMAND_SYNC or in_dram):
             landed = self.host.transfer(max(self.now, in_dram_at or 0.0), ext) if ext else self.now
@@ -406,7 +405,7 @@ class Simulator:
         """On-demand load of the queue head: storage -> DRAM -> HBM, one request at a time."""
         self._fetch_to_dram(st, self.now)
         ext = sum(st.ext_bytes_by_tier.values())
-        st.kv_ready = self.host.transfer(max(self.now, _in_dram_at(st, self.pipes) or 0.0), ext)
+        st.kv_ready = self.host.transfer(max(self.now, self._in_dram_at(st) or 0.0), ext)
         self.stall_s += st.kv_ready - self.now
 
     def _finish(self, st: _Req) -> None:
