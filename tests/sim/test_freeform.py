@@ -249,3 +249,19 @@ def test_cli_says_when_a_workload_reuses_nothing(tmp_path):
     code, text = _sim("--workload", f"trace:{trace}", "--policies", "recompute,prefetch")
     assert code == 0, text
     assert "this workload reuses no prompt tokens" in text
+
+
+def test_cli_sweep_prints_and_plots_prefetch_between_its_two_bounds(tmp_path):
+    out, plots = tmp_path / "sweep.json", tmp_path / "plots"
+    args = ["--sweep", "--efficiency", "0.05", "--concurrency", "1", "--json", str(out), "--plots", str(plots)]
+    code, text = _sim(*args)
+    assert code == 0, text
+    assert "all in DRAM" in text and "recompute" in text and (plots / "sweep.png").stat().st_size > 0
+    (sweep,) = json.loads(out.read_text())
+    recompute = run_setup(Setup(efficiency=0.05), Policy.RECOMPUTE, "context", Load(concurrency=1)).ttft_p(50)
+    assert sweep["recompute_ttft_p50_s"] == pytest.approx(recompute)
+    # one client, no queue: more bandwidth never hurts, and prefetch lies between all-in-DRAM and recomputing
+    ttfts = [p["prefetch_ttft_p50_s"] for p in sweep["points"]]
+    assert ttfts == sorted(ttfts, reverse=True)
+    assert all(sweep["points"][0]["dram_ttft_p50_s"] <= t <= recompute * 1.001 for t in ttfts)
+    assert ttfts[-1] < 0.1 * recompute

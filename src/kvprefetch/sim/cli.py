@@ -248,7 +248,7 @@ def register(app: typer.Typer) -> None:
         except (ValueError, OSError) as err:
             raise typer.BadParameter(f"--workload: {err}") from None
         if sweep:
-            _run_sweep(setup, workload, loads, json)
+            _run_sweep(setup, workload, loads, json, plots)
             return
         _run_freeform(setup, workload, loads, _policies(policies), json, plots)
 
@@ -413,7 +413,11 @@ def _plot_hit_ratio(requests: list, trace: Path, plots: Path) -> None:
     hit_ratio_vs_capacity(hit_ratio_curve(requests, caps), published_for(trace), plots / "hit_ratio.png", title)
 
 
-def _run_sweep(setup: Setup, workload: str, loads: list[Load], json_path: Path | None) -> None:
+def _run_sweep(
+    setup: Setup, workload: str, loads: list[Load], json_path: Path | None, plots: Path | None = None
+) -> None:
+    """Prefetch's TTFT p50 at each bandwidth of the farthest storage tier, beside the two bounds it moves between:
+    everything in DRAM, and recomputing everything."""
     import json as jsonlib
 
     bws = default_bandwidths()
@@ -428,9 +432,19 @@ def _run_sweep(setup: Setup, workload: str, loads: list[Load], json_path: Path |
                     "concurrency": load.concurrency,
                     "rate_per_s": load.rate_per_s,
                     "enough_gbps": enough,
+                    "recompute_ttft_p50_s": run_setup(setup, Policy.RECOMPUTE, workload, load).ttft_p(50),
                     "points": [{"read_gbps": b, "prefetch_ttft_p50_s": t, "dram_ttft_p50_s": d} for b, t, d in rows],
                 }
             )
+    table = Table(title="prefetch TTFT p50 (s) by the farthest tier's full read bandwidth")
+    table.add_column("GB/s", justify="right")
+    for entry in out:
+        table.add_column(entry["load"], justify="right")
+    for i, bw in enumerate(bws):
+        table.add_row(f"{bw:g}", *(f"{entry['points'][i]['prefetch_ttft_p50_s']:.2f}" for entry in out))
+    table.add_row("all in DRAM", *(f"{entry['points'][0]['dram_ttft_p50_s']:.2f}" for entry in out))
+    table.add_row("recompute", *(f"{entry['recompute_ttft_p50_s']:.2f}" for entry in out))
+    console.print(table)
     full, got = list(setup.storage_read_bw().values())[-1]  # the sweep varies the farthest tier
     share = "" if got >= full else f" of full bandwidth, of which --io-depth {setup.io_depth} reads {got / full:.0%}"
     for entry in out:
@@ -439,3 +453,7 @@ def _run_sweep(setup: Setup, workload: str, loads: list[Load], json_path: Path |
         console.print(f"{entry['load']}: prefetch hides storage (within 10% of all-in-DRAM) from {verdict}")
     if json_path:
         json_path.write_text(jsonlib.dumps(out, indent=2) + "\n")
+    if plots:
+        from kvprefetch.sim.plots import ttft_vs_bandwidth
+
+        ttft_vs_bandwidth(out, plots / "sweep.png")

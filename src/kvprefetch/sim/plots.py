@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -56,6 +56,26 @@ def hit_ratio_vs_capacity(
     ax.set_title(title or "prefix hit ratio vs capacity")
     ax.legend()
     ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def ttft_vs_bandwidth(sweeps: Sequence[Mapping], path: str | Path, title: str = "") -> Path:
+    """One line per load: prefetch's TTFT p50 against storage bandwidth, between its all-in-DRAM bound (dashed)
+    and recomputing everything (dotted), both in the line's colour."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for sweep in sweeps:
+        points = sweep["points"]
+        (line,) = ax.plot([p["read_gbps"] for p in points], [p["prefetch_ttft_p50_s"] for p in points], marker="o",
+                          label=f"prefetch {sweep['load']}")  # fmt: skip
+        ax.axhline(points[0]["dram_ttft_p50_s"], color=line.get_color(), linestyle="--", linewidth=1)
+        ax.axhline(sweep["recompute_ttft_p50_s"], color=line.get_color(), linestyle=":", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("farthest tier's full read bandwidth (GB/s)")
+    ax.set_ylabel("TTFT p50 (s)")
+    ax.set_title(title or "prefetch vs storage bandwidth (dashed: all in DRAM; dotted: recompute)", fontsize=9)
+    ax.legend()
+    ax.grid(alpha=0.3, which="both")
     return _save(fig, path)
 
 
