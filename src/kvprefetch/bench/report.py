@@ -8,6 +8,7 @@ from typing import Any
 
 from kvprefetch.bench.modes import known_failure
 from kvprefetch.bench.stats import ratio
+from kvprefetch.sim.calibration import engine_calibrations
 
 WHITEPAPER = {
     "ttft_vs_no_prefetch": "-26% to -32% TTFT p50 (R2, concurrency 8-32)",
@@ -210,8 +211,7 @@ def markdown_report(results: dict) -> str:
 
 def _calibration_lines(results: dict) -> list[str]:
     """Each engine's calibrated speeds, and the medians the replay takes: how noisy one engine's would have been."""
-    first = results.get("populate", {}).get("calibration") or {}
-    engines = {"populate": first} | (results.get("mode_calibrations") or {})
+    engines = engine_calibrations(results)
     if len(engines) < 2:
         return []
     pooled = {"**median (the replay's)**": results.get("calibration") or {}}

@@ -251,11 +251,12 @@ MEASURED_SPEEDS = (
 """The calibration's samples of the machine's speed (each one engine's fastest of its repeats)."""
 
 
-def engine_calibrations(results: dict) -> list[dict]:
-    """Every engine's calibration in a run: the populating engine's, before any mode ran, then each simulated
-    mode's engine's, measured after its cells (runs before these were recorded have only the first)."""
+def engine_calibrations(results: dict) -> dict[str, dict]:
+    """Every engine's calibration in a run, by engine: the populating engine's ("populate"), before any mode ran,
+    then each simulated mode's engine's, measured after its cells (runs before these were recorded have only the
+    first)."""
     first = results.get("populate", {}).get("calibration") or {}
-    return [first, *(results.get("mode_calibrations") or {}).values()]
+    return {"populate": first, **(results.get("mode_calibrations") or {})}
 
 
 def pooled_calibration(calibrations: list[dict]) -> dict:
@@ -287,7 +288,7 @@ def calibration_from_results(results: dict) -> Calibration:
     disk rate the regime obtained, the engine's sizes, the connector's CPU per byte in the prelude."""
     reg, cfg = results["regime"], results["config"]
     populate = results.get("populate", {})
-    cal = pooled_calibration(engine_calibrations(results))
+    cal = pooled_calibration(list(engine_calibrations(results).values()))
     return Calibration(
         prefill_tokens_per_s=float(cal.get("prefill_tokens_per_s") or reg["prefill_tokens_per_s"]),
         decode_step_s=float(cal.get("decode_step_s") or reg["decode_step_s"]),

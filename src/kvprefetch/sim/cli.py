@@ -348,7 +348,7 @@ def _run_freeform(
                         "output_tok_s": r.output_tok_s,
                         "hit_ratio": r.hit_ratio,
                         "served_from": r.served_from(),
-                        "recomputed_slower": r.recomputed_slower_tokens / max(1, sum(r.tokens_from.values())),
+                        "recomputed_slower": r.recomputed_slower_tokens / max(1, r.prompt_tokens),
                         "stall_s": r.stall_s,
                         "eviction": eviction.value,
                         "storage_read_gb": sum(v for k, v in r.bytes_read.items() if k != "host") / 1e9,

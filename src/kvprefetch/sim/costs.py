@@ -37,16 +37,14 @@ class Deployment:
     def kv_capacity_tokens(self) -> int:
         if self.kv_capacity_tokens_override is not None:
             return self.kv_capacity_tokens_override
-        free = self.accelerator.hbm_bytes * self.tp * self.kv_memory_fraction
-        free -= self.model.total_params * self.model.weight_bytes
-        if free <= 0:
-            weights = self.model.total_params * self.model.weight_bytes / 1e9
-            usable = self.accelerator.hbm_bytes * self.tp * self.kv_memory_fraction / 1e9
+        usable = self.accelerator.hbm_bytes * self.tp * self.kv_memory_fraction
+        weights = self.model.total_params * self.model.weight_bytes
+        if usable - weights <= 0:
             raise ValueError(
-                f"{self.model.name} does not fit on {self.tp}x {self.accelerator.name}: {weights:.0f} GB of weights, "
-                f"{usable:.0f} GB of usable HBM (more devices: tp)"
+                f"{self.model.name} does not fit on {self.tp}x {self.accelerator.name}: {weights / 1e9:.0f} GB of "
+                f"weights, {usable / 1e9:.0f} GB of usable HBM (more devices: tp)"
             )
-        return int(free / self.model.kv_bytes_per_token)
+        return int((usable - weights) / self.model.kv_bytes_per_token)
 
     def _attn_flops_per_pair(self) -> float:
         m = self.model

@@ -134,6 +134,7 @@ class Simulator:
         self.cfg = config
         self.dep = config.deployment
         self.kv_per_token = self.dep.model.kv_bytes_per_token
+        self.block_bytes = config.block_tokens * self.kv_per_token  # one simulator block's KV
         self.tiers = config.tiers if config.policy.uses_external else ()
         self.caches = {t.name: BlockCache(t.capacity_blocks) for t in self.tiers}
         self.pipes = {t.name: Pipe(t.bandwidth(config.io_depth), t.latency_s) for t in self.tiers[1:]}
@@ -254,11 +255,10 @@ class Simulator:
                     room -= 1
                 kept.append((b, where))
             blocks = kept
-        block_bytes = self.cfg.block_tokens * self.kv_per_token
         for name in self.pipes:
             ids = [b for b, where in blocks if where == name]
             if ids:
-                st.reads.append((name, self.pipes[name].reserve(t, len(ids) * block_bytes), ids))
+                st.reads.append((name, self.pipes[name].reserve(t, len(ids) * self.block_bytes), ids))
         st.fetched_at = t
         if dram is not None:
             for b, _ in blocks:
@@ -267,11 +267,10 @@ class Simulator:
     def _cancel_reads(self, st: _Req) -> None:
         """The connector recomputes the request: its reads not done yet stop, and what they would have brought
         into DRAM never arrives."""
-        block_bytes = self.cfg.block_tokens * self.kv_per_token
         dram = self.caches[self.tiers[0].name]
         for name, t, ids in st.reads:
             kept = self.pipes[name].cancel(t, self.now)
-            for b in ids[int(kept // block_bytes) :]:
+            for b in ids[int(kept // self.block_bytes) :]:
                 dram.discard(b)
         st.reads.clear()
 
@@ -285,9 +284,8 @@ class Simulator:
     def _bytes_by_tier(self, blocks: Iterable[tuple[int, str]]) -> dict[str, float]:
         """KV bytes of (block, where) pairs, summed by where they are."""
         out: dict[str, float] = {}
-        block_bytes = self.cfg.block_tokens * self.kv_per_token
         for _, where in blocks:
-            out[where] = out.get(where, 0.0) + block_bytes
+            out[where] = out.get(where, 0.0) + self.block_bytes
         return out
 
     # ---- admission and steps ----------------------------------------------------------------------
@@ -431,13 +429,12 @@ class Simulator:
         """After prefill the prompt's full blocks are in HBM and written through to every tier."""
         full = st.req.input_len // self.cfg.block_tokens
         self.session_prompt[st.req.session_id] = st.req.input_len
-        block_bytes = self.cfg.block_tokens * self.kv_per_token
         for b in st.req.hash_ids[:full]:
             if self.pool is None:  # the pool cached them when it admitted the request
                 self.hbm.insert(b)
             for cache in self.caches.values():
                 if b not in cache:
-                    self.saved_bytes += block_bytes
+                    self.saved_bytes += self.block_bytes
                 cache.insert(b)
 
     def _bytes_moved(self) -> float:

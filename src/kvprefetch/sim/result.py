@@ -48,13 +48,18 @@ class SimResult:
         return float(self.output_len.sum() / span) if span > 0 else 0.0
 
     @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens of the requests admitted, wherever they came from."""
+        return sum(self.tokens_from.values())
+
+    @property
     def hit_ratio(self) -> float:
         """Share of prompt tokens not computed (served by HBM's prefix cache or any tier)."""
-        total = sum(self.tokens_from.values())
+        total = self.prompt_tokens
         return 1.0 - self.tokens_from.get("computed", 0) / total if total else 0.0
 
     def served_from(self) -> dict[str, float]:
         """Share of prompt tokens by where they came from ("computed", "hbm", a tier), the empty sources left out:
         a run whose hits all come from HBM's prefix cache is one the tiers below it cannot change."""
-        total = sum(self.tokens_from.values())
+        total = self.prompt_tokens
         return {k: v / total for k, v in self.tokens_from.items() if v} if total else {}
