@@ -43,7 +43,8 @@ def _results():
         "rows": rows,
         "simulator_prediction": [
             {"mode": "prefetch", "concurrency": 8, "predicted": 2.1, "measured": 2.0,
-             "computed_tokens_predicted": 5930, "computed_tokens_measured": 5800},
+             "computed_tokens_predicted": 5930, "computed_tokens_measured": 5800,
+             "engine_cached_tokens_predicted": 43520, "engine_cached_tokens_measured": 44420},
             {"mode": "dram", "concurrency": 8, "predicted": 1.9, "measured": None},
         ],
     }  # fmt: skip
@@ -67,7 +68,7 @@ def test_markdown_report_has_tables_regime_whitepaper_and_missing_modes():
     assert "| 8 | ondemand-sync | -50% | +50% | 2.00x |" in md
     assert "| 8 | recompute | -88% | +200% | 8.00x |" in md
     assert "`lmcache`: unavailable: needs CUDA" in md
-    assert "| prefetch | 8 | 2.100 | 2.000 | 5930 / 5800 |" in md
+    assert "| prefetch | 8 | 2.100 | 2.000 | 5930 / 5800 | 43520 / 44420 |" in md
     assert "| dram | 8 | 1.900 | - | - |" in md  # an older run, or a cell that failed
     assert "0.10/0.20/0.30" in md  # load average next to the numbers
     for png in ("ttft_p50.png", "throughput.png", "ttft_cdf.png"):

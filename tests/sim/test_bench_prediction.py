@@ -191,15 +191,19 @@ def test_calibration_pools_every_engines_speeds_by_their_median():
     assert pooled.prefill_tokens_per_s == 11000.0 and pooled.reload_s == pytest.approx((0.05 + 0.09) / 2)
 
 
-def test_sim_cli_bench_scenario_compares_the_tokens_the_engine_computed(tmp_path):
-    """With the shares a real run measures, the CLI also compares the prompt tokens the engine computed."""
+def test_sim_cli_bench_scenario_compares_where_the_prompt_tokens_came_from(tmp_path):
+    """With the shares a real run measures, the CLI also compares the prompt tokens the engine computed and
+    those it found in its own prefix cache."""
     results = _results()
-    replayed = {(r["mode"], r["concurrency"]): r["computed_tokens_predicted"] for r in predict_bench(results)}
+    replay = {(r["mode"], r["concurrency"]): r for r in predict_bench(results)}
     for row in results["rows"]:
-        if (row["mode"], row["concurrency"]) in replayed:
+        if (row["mode"], row["concurrency"]) in replay:
             row["prompt_tokens"] = 100_000
-            row["share_computed"] = replayed[(row["mode"], row["concurrency"])] / 100_000
+            row["share_computed"] = replay[(row["mode"], row["concurrency"])]["computed_tokens_predicted"] / 100_000
+            row["share_engine"] = replay[(row["mode"], row["concurrency"])]["engine_cached_tokens_predicted"] / 100_000
     results["rows"][0]["share_computed"] *= 1.5  # recompute c=1: vLLM computed half as much again
+    results["rows"][1]["share_engine"] += 0.1  # recompute c=4: vLLM found 10,000 more tokens in its cache
+    replayed = {cell: r["computed_tokens_predicted"] for cell, r in replay.items()}
     path, out = tmp_path / "results.json", tmp_path / "rows.json"
     path.write_text(json.dumps(results))
     res = CliRunner().invoke(app, ["sim", "--scenario", "bench", "--bench-results", str(path), "--json", str(out)])
@@ -209,6 +213,9 @@ def test_sim_cli_bench_scenario_compares_the_tokens_the_engine_computed(tmp_path
     first, want = rows["computed_tokens recompute c=1"], replayed[("recompute", 1)]
     assert first["published"] == round(1.5 * want) and first["simulated"] == want
     assert rows["computed_tokens dram c=4"]["error_pct"] == 0
+    assert "7 of 8 cells within 5% of the tokens vLLM found in its prefix cache" in " ".join(res.output.split())
+    cached = rows["engine_cached_tokens recompute c=4"]
+    assert cached["published"] - cached["simulated"] == 10_000
 
 
 def test_sim_cli_bench_scenario_prints_and_writes_rows(tmp_path):

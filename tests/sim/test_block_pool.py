@@ -153,6 +153,32 @@ def test_loads_from_disk_run_beside_the_steps_and_are_cached_once_arrived():
     assert res.tokens_from == {"computed": 2 * 10, "hbm": 0, "dram": 4 * 256, "disk": 12 * 256}
 
 
+def _adding_burst(policy: Policy, add_s: float):
+    """Three requests submitted at once, sharing a 4-block prefix in DRAM, each with 4 blocks of its own on a
+    disk that reads 4 blocks in 67 ms; the engine takes `add_s` to add each request."""
+    reqs = [Request(0.0, s, 0, 8 * 256 + 10, 2, (1, 2, 3, 4, *range(10 * s + 10, 10 * s + 14)), RECIPE)
+            for s in range(3)]  # fmt: skip
+    tiers = (TierSpec("dram", None, 8e9), TierSpec("disk", None, 5e9))
+    preload = {"dram": [1, 2, 3, 4], "disk": [b for r in reqs for b in r.hash_ids]}
+    cfg = SimConfig(DEP, policy, tiers, concurrency=3, preload=preload, load_vs_recompute=False,
+                    hbm_cache_blocks=64, block_tokens=256, engine_block_pool=True, sync_loads_in_step=True,
+                    request_overhead_s=add_s)  # fmt: skip
+    return simulate(cfg, reqs)
+
+
+def test_a_burst_is_reached_once_added_and_a_prefetch_landed_meanwhile_caches_the_shared_prefix():
+    """The engine adds requests one at a time between steps, as the bench's in-process vLLM does. Added 40 ms
+    apart, the first request's prefetch (67 ms) lands before the third is added: the scheduler then loads it in
+    the step and caches the shared prefix, which the other two find in the engine. Their own reads are still
+    queued, so they load asynchronously. On demand the reads start only when the scheduler reaches them: all
+    three load asynchronously, each its own copy of the prefix, as when the adds take no time."""
+    added = _adding_burst(Policy.PREFETCH, 0.04)
+    assert added.tokens_from["hbm"] == 2 * 4 * 256
+    assert added.first_token.min() >= 3 * 0.04  # nothing is scheduled before the whole burst is added
+    assert _adding_burst(Policy.PREFETCH, 0.0).tokens_from["hbm"] == 0
+    assert _adding_burst(Policy.ONDEMAND, 0.04).tokens_from["hbm"] == 0
+
+
 def test_a_run_preloaded_with_another_runs_tiers_starts_where_it_ended():
     """The bench runs its levels one after another on one store: what a level read into DRAM is there for the
     next. `tier_contents` hands a run's tiers on, least recently used first."""

@@ -187,12 +187,12 @@ def markdown_report(results: dict) -> str:
     if preds:
         lines += ["## Simulator (calibrated from this run) vs measured TTFT p50", ""]
         lines += _calibration_lines(results)
-        lines.append("| mode | conc | predicted s | measured s | computed tokens, replay / vLLM |")
-        lines.append("|---|---:|---:|---:|---:|")
+        lines.append("| mode | conc | predicted s | measured s | computed tokens, replay / vLLM "
+                     "| tokens from vLLM's prefix cache, replay / vLLM |")  # fmt: skip
+        lines.append("|---|---:|---:|---:|---:|---:|")
         for p in preds:
             meas = "-" if p.get("measured") is None else f"{p['measured']:.3f}"
-            got, want = p.get("computed_tokens_predicted"), p.get("computed_tokens_measured")
-            tokens = "-" if got is None or want is None else f"{got} / {want}"
+            tokens = " | ".join(_replay_vs_vllm(p, key) for key in ("computed_tokens", "engine_cached_tokens"))
             lines.append(f"| {p['mode']} | {p['concurrency']} | {p['predicted']:.3f} | {meas} | {tokens} |")
         lines.append("")
     missing = {}
@@ -207,6 +207,12 @@ def markdown_report(results: dict) -> str:
     lines += ["## Plots", "", "![TTFT p50](ttft_p50.png)", "![throughput](throughput.png)",
               "![TTFT CDF](ttft_cdf.png)", ""]  # fmt: skip
     return "\n".join(lines)
+
+
+def _replay_vs_vllm(prediction: dict, key: str) -> str:
+    """A token count the replay predicted beside the one vLLM reported ("-" where the run did not say)."""
+    got, want = prediction.get(f"{key}_predicted"), prediction.get(f"{key}_measured")
+    return "-" if got is None or want is None else f"{got} / {want}"
 
 
 def _calibration_lines(results: dict) -> list[str]:

@@ -375,17 +375,18 @@ def replay_cells(
     return out
 
 
-def measured_computed_tokens(row: dict) -> int | None:
-    """Prompt tokens the engine computed in a bench cell (not found in its prefix cache or a tier)."""
-    if row.get("share_computed") is None or row.get("prompt_tokens") is None:
+def measured_tokens(row: dict, share: str) -> int | None:
+    """Prompt tokens of a bench cell in one of its shares: `share_computed` (computed by the engine, not found
+    in its prefix cache or a tier) or `share_engine` (found in the engine's own prefix cache)."""
+    if row.get(share) is None or row.get("prompt_tokens") is None:
         return None
-    return round(float(row["share_computed"]) * int(row["prompt_tokens"]))
+    return round(float(row[share]) * int(row["prompt_tokens"]))
 
 
 def predict_bench(results: dict) -> list[dict]:
-    """Predicted vs measured TTFT p50 for every simulated mode and concurrency of one bench run, and the prompt
-    tokens the engine computed in each: equal ones mean the replay found in the engine's cache and the tiers what
-    vLLM and the connector found."""
+    """Predicted vs measured TTFT p50 for every simulated mode and concurrency of one bench run, the prompt
+    tokens the engine computed in each and those it found in its own prefix cache: equal ones mean the replay
+    found in the engine's cache and the tiers what vLLM and the connector found."""
     cal = calibration_from_results(results)
     rows = [r for r in results["rows"] if r.get("status") == "ok" and r.get("ttft_p50_s") is not None]
     modes = sorted({r["mode"] for r in rows} & set(BENCH_MODES))
@@ -405,7 +406,9 @@ def predict_bench(results: dict) -> list[dict]:
                 "measured": meas,
                 "error_pct": 100.0 * (p - meas) / meas if meas else None,
                 "computed_tokens_predicted": int(replay.tokens_from["computed"]),
-                "computed_tokens_measured": measured_computed_tokens(row),
+                "computed_tokens_measured": measured_tokens(row, "share_computed"),
+                "engine_cached_tokens_predicted": int(replay.tokens_from["hbm"]),
+                "engine_cached_tokens_measured": measured_tokens(row, "share_engine"),
             }
         )
     return out

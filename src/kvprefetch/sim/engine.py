@@ -31,8 +31,9 @@ class SimConfig:
     first. `concurrency`: closed loop with that many sessions in flight; None: open loop at `arrival_s`.
     `preload` puts block ids in a tier before the run (the "cold reads" of a warm store).
     `load_vs_recompute`: the connector's rule, applied when the scheduler reaches a request (`_maybe_recompute`).
-    `request_overhead_s`: latency between a request's submission and its arrival in the engine's queue (the
-    serving front end: a small engine's time to first token has a floor of its own).
+    `request_overhead_s`: the engine's own time to add one request (`_add`): requests are added one at a time
+    between steps, so a burst is queued only once all of it is added (a small engine's time to first token has a
+    floor of its own: our bench runs vLLM in-process, where the front end's work is the engine's too).
     `hbm_cache_blocks` (default: the deployment's KV capacity): with `engine_block_pool`, the engine's whole KV
     in blocks; without, the size of its prefix cache beside the running requests (0: none).
     `engine_block_pool`: the engine's KV is vLLM's block pool (`BlockPool`): running requests share the blocks of
@@ -175,8 +176,8 @@ class Simulator:
 
     # ---- arrivals and the cache lookup ------------------------------------------------------------
     def _push(self, t: float, req: Request) -> None:
-        """Submitted at t; in the engine's queue after the front end's overhead."""
-        heapq.heappush(self.arrivals, (t + self.cfg.request_overhead_s, next(self.seq), req, t))
+        """Submitted at t; the engine adds it on its next pass between steps (`_add`)."""
+        heapq.heappush(self.arrivals, (t, next(self.seq), req))
 
     def _lookup(self, st: _Req) -> None:
         """Longest prefix of the prompt's blocks found in HBM or any tier, block by block. Whether the external
@@ -209,8 +210,18 @@ class Simulator:
             return 0
         return max(0, min((prev // eb) * eb, st.req.input_len - 1) - n_hbm * self.cfg.block_tokens)
 
-    def _arrive(self, t: float, req: Request) -> None:
-        self.waiting.append(self._prepare(t, req))
+    def _add(self, t: float, req: Request) -> None:
+        """The engine adds a request submitted at t, one at a time between its steps (vLLM's engine core drains
+        its input queue, then steps), which costs it `request_overhead_s` of its own time. The lookup and the
+        prefetch start once the request is added. So a burst is reached only when all of it has been added, and
+        by then the first requests' prefetches may have landed: they load inside the step and cache what the
+        rest of the burst shares (a system prompt), as on the engine."""
+        self.now = max(self.now, t) + self.cfg.request_overhead_s
+        st = self._early.pop(id(req), None)  # session-aware: fetched since the previous turn ended
+        if st is None:
+            st = self._prepare(self.now, req)
+        st.submit = t
+        self.waiting.append(st)
 
     def _prepare(self, t: float, req: Request) -> _Req:
         st = _Req(req, submit=t)
@@ -508,8 +519,8 @@ class Simulator:
             self._push(t, req)
         while len(self.finished) < self.n_requests:
             while self.arrivals and self.arrivals[0][0] <= self.now:
-                _, _, req, t = heapq.heappop(self.arrivals)
-                self._arrive_with_session(t, req)
+                t, _, req = heapq.heappop(self.arrivals)
+                self._add(t, req)
             plan = self._plan()
             if plan:
                 self._step(plan)
@@ -522,14 +533,6 @@ class Simulator:
                 self.io_charged = self._bytes_moved()  # the copies ran while the engine idled
                 self.now = max(self.now, nxt)
         return self._result()
-
-    def _arrive_with_session(self, t: float, req: Request) -> None:
-        st = self._early.pop(id(req), None)
-        if st is None:
-            self._arrive(t, req)
-            return
-        st.submit = t  # fetched since the previous turn ended; queued only now
-        self.waiting.append(st)
 
     def tier_contents(self) -> dict[str, list[int]]:
         """Each tier's blocks, least recently used first: a run preloaded with them starts where this one ended."""
