@@ -84,7 +84,8 @@ class Calibration:
 
 
 def request_overhead(cal: Calibration, step_overhead: float) -> float:
-    """Front-end latency per request: the floor sample less its one (tiny) engine step."""
+    """The engine's own time to add a request (the bench runs vLLM in-process, front end included): the floor
+    sample less its one (tiny) engine step. Every sample of one request alone pays it once."""
     if not cal.request_floor_s:
         return 0.0
     return max(0.0, cal.request_floor_s - step_overhead)

@@ -118,8 +118,9 @@ class Setup:
         return tuple(tiers)
 
     def machine_overheads(self, dep: Deployment) -> dict:
-        """What `this-cpu` (deployed as `dep`) adds to a run's config: its front end's latency per request and, as
-        the bench's engine copies KV on the cores it computes on, the CPU per byte moved."""
+        """What `this-cpu` (deployed as `dep`) adds to a run's config: the engine's own time to add a request (the
+        bench's vLLM runs in-process, front end included) and, as it copies KV on the cores it computes on, the CPU
+        per byte moved."""
         if self.accelerator != THIS_CPU:
             return {}
         cal = self.measured()
