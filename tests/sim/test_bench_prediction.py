@@ -197,10 +197,11 @@ def test_sim_cli_bench_scenario_compares_where_the_prompt_tokens_came_from(tmp_p
     results = _results()
     replay = {(r["mode"], r["concurrency"]): r for r in predict_bench(results)}
     for row in results["rows"]:
-        if (row["mode"], row["concurrency"]) in replay:
+        cell = replay.get((row["mode"], row["concurrency"]))
+        if cell is not None:
             row["prompt_tokens"] = 100_000
-            row["share_computed"] = replay[(row["mode"], row["concurrency"])]["computed_tokens_predicted"] / 100_000
-            row["share_engine"] = replay[(row["mode"], row["concurrency"])]["engine_cached_tokens_predicted"] / 100_000
+            row["share_computed"] = cell["computed_tokens_predicted"] / 100_000
+            row["share_engine"] = cell["engine_cached_tokens_predicted"] / 100_000
     results["rows"][0]["share_computed"] *= 1.5  # recompute c=1: vLLM computed half as much again
     results["rows"][1]["share_engine"] += 0.1  # recompute c=4: vLLM found 10,000 more tokens in its cache
     replayed = {cell: r["computed_tokens_predicted"] for cell, r in replay.items()}
