@@ -6,6 +6,7 @@ import json
 from dataclasses import replace
 
 import pytest
+from tests.clitext import flat
 from typer.testing import CliRunner
 
 from kvprefetch.bench.workloads import ChatBench, chat_workload
@@ -209,12 +210,12 @@ def test_sim_cli_bench_scenario_compares_where_the_prompt_tokens_came_from(tmp_p
     path.write_text(json.dumps(results))
     res = CliRunner().invoke(app, ["sim", "--scenario", "bench", "--bench-results", str(path), "--json", str(out)])
     assert res.exit_code == 0, res.output
-    assert "7 of 8 cells within 5% of the tokens vLLM computed" in " ".join(res.output.split())
+    assert "7 of 8 cells within 5% of the tokens vLLM computed" in flat(res.output)
     rows = {r["metric"]: r for r in json.loads(out.read_text())}
     first, want = rows["computed_tokens recompute c=1"], replayed[("recompute", 1)]
     assert first["published"] == round(1.5 * want) and first["simulated"] == want
     assert rows["computed_tokens dram c=4"]["error_pct"] == 0
-    assert "7 of 8 cells within 5% of the tokens vLLM found in its prefix cache" in " ".join(res.output.split())
+    assert "7 of 8 cells within 5% of the tokens vLLM found in its prefix cache" in flat(res.output)
     cached = rows["engine_cached_tokens recompute c=4"]
     assert cached["published"] - cached["simulated"] == 10_000
 
@@ -225,12 +226,12 @@ def test_sim_cli_bench_scenario_prints_and_writes_rows(tmp_path):
     out = tmp_path / "rows.json"
     res = CliRunner().invoke(app, ["sim", "--scenario", "bench", "--bench-results", str(path), "--json", str(out)])
     assert res.exit_code == 0, res.output
-    assert "cells within 20%" in res.output
-    assert "published" not in res.output  # the bench's figures are measured ones, and the table says so
-    assert "did not measure the connector's CPU" in " ".join(res.output.split())  # no prelude measurement
+    assert "cells within 20%" in flat(res.output)
+    assert "published" not in flat(res.output)  # the bench's figures are measured ones, and the table says so
+    assert "did not measure the connector's CPU" in flat(res.output)  # no prelude measurement
     rows = json.loads(out.read_text())
     assert len(rows) == 8 and all(r["scenario"] == "bench" and not r["fitted"] for r in rows)
-    assert "the engine computed" not in res.output  # the made-up rows have no shares to compare with
+    assert "the engine computed" not in flat(res.output)  # the made-up rows have no shares to compare with
 
 
 def test_sim_cli_bench_scenario_over_several_runs_compares_medians(tmp_path):
@@ -246,9 +247,9 @@ def test_sim_cli_bench_scenario_over_several_runs_compares_medians(tmp_path):
     out = tmp_path / "rows.json"
     res = CliRunner().invoke(app, ["sim", "--scenario", "bench", *paths, "--json", str(out)])
     assert res.exit_code == 0, res.output
-    assert "medians of 3 runs" in res.output and "inside the range the runs measured" in res.output
-    assert "charged to the steps: -, 0.72, - ns/B" in " ".join(res.output.split())  # 0.6 s / 800 MiB
-    assert "median over the run's engines (1, 3, 1 engines" in " ".join(res.output.split())
+    assert "medians of 3 runs" in flat(res.output) and "inside the range the runs measured" in flat(res.output)
+    assert "charged to the steps: -, 0.72, - ns/B" in flat(res.output)  # 0.6 s / 800 MiB
+    assert "median over the run's engines (1, 3, 1 engines" in flat(res.output)
     one = {r["metric"]: r for r in json.loads(out.read_text())}
     base = {f"ttft_p50 {r['mode']} c={r['concurrency']}": r["ttft_p50_s"] for r in _results()["rows"]}
     assert one["ttft_p50 dram c=4"]["published"] == pytest.approx(base["ttft_p50 dram c=4"])  # the median run
@@ -258,14 +259,14 @@ def test_sim_cli_bench_scenario_over_several_runs_compares_medians(tmp_path):
 def test_sim_cli_bench_scenario_without_results_is_a_clear_error(tmp_path):
     res = CliRunner().invoke(app, ["sim", "--scenario", "bench", "--bench-results", str(tmp_path / "nope.json")])
     assert res.exit_code != 0
-    assert "bench-results" in res.output
+    assert "bench-results" in flat(res.output)
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     res = CliRunner().invoke(app, ["sim", "--scenario", "bench", "--bench-results", str(bad)])
-    assert res.exit_code != 0 and "not a usable" in res.output
+    assert res.exit_code != 0 and "not a usable" in flat(res.output)
     bad.write_text("{not json")
     res = CliRunner().invoke(app, ["sim", "--scenario", "bench", "--bench-results", str(bad)])
-    assert res.exit_code != 0 and "not a usable" in res.output
+    assert res.exit_code != 0 and "not a usable" in flat(res.output)
 
 
 def test_the_prelude_prices_the_connectors_cpu_per_byte_and_cache_modes_pay_it():
@@ -283,7 +284,7 @@ def test_the_prelude_prices_the_connectors_cpu_per_byte_and_cache_modes_pay_it()
 
 def _plan(*args: str) -> tuple[int, str]:
     res = CliRunner().invoke(app, ["sim", *args])
-    return res.exit_code, " ".join(res.output.replace("│", " ").split())  # rich wraps lines in boxes
+    return res.exit_code, flat(res.output)
 
 
 def test_sim_cli_plans_on_this_cpu_and_its_disk_as_a_bench_run_measured_them(tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.clitext import flat
 from typer.testing import CliRunner
 
 from kvprefetch.cli import app
@@ -67,7 +68,7 @@ def test_an_open_loop_past_what_recompute_serves_queues_while_prefetch_keeps_up(
 
 def _sim(*args: str) -> tuple[int, str]:
     res = CliRunner().invoke(app, ["sim", *args])
-    return res.exit_code, " ".join(res.output.replace("│", " ").split())  # rich wraps lines in boxes
+    return res.exit_code, flat(res.output)
 
 
 def test_cli_runs_open_loops_and_labels_them(tmp_path):

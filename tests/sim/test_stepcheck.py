@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from tests.clitext import flat
 from tests.sim.test_bench_prediction import _results
 from typer.testing import CliRunner
 
@@ -58,7 +59,7 @@ def test_sim_cli_bench_scenario_checks_recorded_steps(tmp_path):
         app, ["sim", "--scenario", "bench", "--bench-results", str(run / "results.json"), "--json", str(out)]
     )
     assert res.exit_code == 0, res.output
-    assert "engine steps" in res.output and "cells within 20%" in res.output
+    assert "engine steps" in flat(res.output) and "cells within 20%" in flat(res.output)
     rows = {r["metric"]: r for r in json.loads(out.read_text())}
     step = rows["step_s decode dram c=4"]
     assert step["scenario"] == "steps run" and step["error_pct"] == pytest.approx(100 * (1 / 1.5 - 1))
@@ -72,5 +73,5 @@ def test_a_corrupt_step_log_is_a_clear_error(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps(_results()))
     (tmp_path / "steps" / "dram-c4.jsonl").write_text('{"t": 0, "s": 0.01, "batch": [[1, 10]]}\n{truncated')
     res = CliRunner().invoke(app, ["sim", "--scenario", "bench", "--bench-results", str(tmp_path / "results.json")])
-    text = " ".join(res.output.replace("│", " ").split())
+    text = flat(res.output)
     assert res.exit_code != 0 and "not a usable step log" in text and "line 2 is not JSON" in text

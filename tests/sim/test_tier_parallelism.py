@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from tests.clitext import flat
 from typer.testing import CliRunner
 
 from kvprefetch.cli import app
@@ -76,7 +77,7 @@ def _sim(*args: str) -> str:
     """`kvprefetch sim` output, with rich's line wrapping undone."""
     res = CliRunner().invoke(app, ["sim", *args])
     assert res.exit_code == 0, res.output
-    return " ".join(res.output.split())
+    return flat(res.output)
 
 
 def test_cli_says_what_the_io_depth_reads_and_the_run_follows_it(tmp_path):
@@ -96,9 +97,9 @@ def test_cli_default_io_depth_is_kvprefetchs_own_and_bad_values_are_refused():
     default = IOConfig.model_fields["threads"].default
     assert f"read with --io-depth {default}" in _sim("--concurrency", "2", "--policies", "dram")
     res = CliRunner().invoke(app, ["sim", "--io-depth", "0"])
-    assert res.exit_code != 0 and "--io-depth" in res.output
+    assert res.exit_code != 0 and "--io-depth" in flat(res.output)
     res = CliRunner().invoke(app, ["sim", "--storage", "tape"])
-    assert res.exit_code != 0 and "unknown storage 'tape'" in " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code != 0 and "unknown storage 'tape'" in flat(res.output)
 
 
 def test_sweep_reports_full_bandwidth_and_the_share_the_io_depth_reads(tmp_path):
