@@ -66,6 +66,40 @@ def test_gather_scatter_round_trip(order, split):
         assert torch.equal(dst2.layers[li][5], src.layers[li][9]) and not dst2.layers[li][0].any()
 
 
+_SIDE_THREAD_COPIES = """
+import os, threading, torch
+from kvprefetch.vllm.layout import PagedKV, chunk_tensor
+torch.set_num_threads(2)
+layers = [torch.randn(64, 2, 16, 256).to(torch.bfloat16) for _ in range(4)]  # big enough for torch to go parallel
+kv = PagedKV(layers, 64, 16)
+geo = kv.geometry(256)
+torch.ones(1 << 20).add_(1)  # the model's thread has its OpenMP team
+before = len(os.listdir("/proc/self/task"))
+def save_and_load():
+    buf = torch.empty((2, geo.chunk_bytes), dtype=torch.uint8)
+    kv.gather_into([list(range(16)), list(range(16, 32))], buf, geo)
+    for li in range(4):
+        kv.scatter_chunk_layer(li, chunk_tensor(buf[1].numpy()), list(range(32, 48)), geo)
+        kv.scatter_layer(li, buf, [list(range(48, 64)), [-1] * 16], geo)
+t = threading.Thread(target=save_and_load)
+t.start()
+t.join()
+assert torch.equal(layers[3][40], layers[3][24]) and torch.equal(layers[2][50], layers[2][2])
+print(len(os.listdir("/proc/self/task")) - before)
+"""
+
+
+def test_copies_on_the_connectors_threads_start_no_openmp_team():
+    """The loader and saver threads copy host KV without torch ops: a torch op there starts an OpenMP team of
+    its own whose threads spin beside the model's forward (the decode step doubled on a 2-core machine)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _SIDE_THREAD_COPIES], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-1] == "0"  # no thread outlived the copies
+
+
 def test_chunk_is_whole_blocks():
     assert effective_chunk_tokens(256, 128) == 256
     assert effective_chunk_tokens(256, 16) == 256

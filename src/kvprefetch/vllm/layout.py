@@ -4,13 +4,21 @@ vLLM hands the worker one tensor per attention layer, a logical ``[B, H, N, C]``
 content) whose *physical* stride order depends on the backend and the resolved layout (LBHNC on the CPU
 backend, LBNHC/HND variants on GPUs), and whose dim 0 may count kernel blocks (several per scheduler block).
 We never assume a shape: a scheduler block's page for one layer is whatever ``layer[block]`` holds, copied with
-torch indexing, which follows the strides. What a page's bytes *mean* (how K and V sit inside it) is the
+indexing that follows the strides. What a page's bytes *mean* (how K and V sit inside it) is the
 backend's business; the namespace tags the chunk with the device type and page geometry so chunks written
 by one backend are never read by another.
 
 A chunk of ``chunk_tokens`` tokens is ``blocks_per_chunk = chunk_tokens // block_size`` whole blocks, so a
 chunk buffer (``chunk_bytes`` bytes) is laid out ``[layer][block in chunk][page]``: one layer's part of a chunk
 is one contiguous run, which is what lets a load scatter layer by layer while the engine computes.
+
+**Host KV is copied with numpy, never with torch ops** (invariant: the connector's threads start no OpenMP
+team). The copies run on the connector's loader and saver threads. A torch CPU op on a thread that is not the
+model's starts an OpenMP team of its own for that thread (``torch.get_num_threads() - 1`` more threads, which
+live as long as the process), and libgomp's threads spin-wait after every parallel region: on a CPU engine they
+take the cores the model's forward runs on. On a 2-core machine this doubled the decode step (3.3 -> 6.3 ms)
+in every mode with an async load path. numpy's copies are plain single-threaded memcpy loops. Device KV (GPU)
+keeps torch's copies, which run on the device.
 """
 
 from __future__ import annotations
@@ -26,6 +34,11 @@ import torch
 # Chunks are read straight out of the shared DRAM pool through read-only views; torch warns that it cannot
 # guarantee read-only-ness of such tensors. We only ever read them.
 warnings.filterwarnings("ignore", message="The given (buffer|NumPy array) is not writable")
+
+
+def host_bytes(t: torch.Tensor) -> np.ndarray:
+    """A uint8 numpy view of a host tensor, strides kept (its last dimension must be contiguous)."""
+    return (t if t.dtype == torch.uint8 else t.view(torch.uint8)).numpy()
 
 
 def chunk_tensor(buf) -> torch.Tensor:
@@ -88,6 +101,8 @@ class PagedKV:
         self.dtype = first.dtype
         self.device = first.device
         self.page_bytes = math.prod(self.page_shape) * first.element_size()
+        # uint8 views of host KV, one per layer ([num_blocks, *page] with the last dim in bytes), for numpy copies
+        self.host = [host_bytes(t) for t in self.layers] if self.device.type == "cpu" else None
 
     @staticmethod
     def _per_block(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -107,6 +122,15 @@ class PagedKV:
         """A uint8 ``[n, chunk_bytes]`` host buffer as ``[n, layers, blocks_per_chunk, *page]`` of the KV dtype."""
         n = buf.shape[0]
         return buf.view(self.dtype).view(n, geo.num_layers, geo.blocks_per_chunk, *self.page_shape)
+
+    # ---- host views (numpy, see the module docstring) ----------------------------------------------------------
+    def _host_pages(self, flat: np.ndarray, n: int) -> np.ndarray:
+        """``n`` contiguous pages in a flat byte run, shaped like one block of a host layer view."""
+        return flat.reshape(n, *self.host[0].shape[1:])
+
+    def _host_chunks(self, rows: np.ndarray, geo: ChunkGeometry) -> np.ndarray:
+        """``[n, chunk_bytes]`` bytes as ``[n, layers, blocks_per_chunk, *page bytes]``."""
+        return rows.reshape(rows.shape[0], geo.num_layers, geo.blocks_per_chunk, *self.host[0].shape[1:])
 
     # ---- copies -----------------------------------------------------------------------------------------------
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
@@ -129,6 +153,14 @@ class PagedKV:
         if out.device != self.device:
             self.gather(block_ids, out, geo)
             return
+        if self.host is not None:
+            if any(len(chunk) != geo.blocks_per_chunk for chunk in block_ids):
+                raise ValueError("every chunk to save needs exactly blocks_per_chunk blocks")
+            rows = self._host_chunks(host_bytes(out[: len(block_ids)]), geo)
+            idx = np.asarray(block_ids, dtype=np.int64)  # [n, blocks_per_chunk]
+            for li, layer in enumerate(self.host):
+                rows[:, li] = layer[idx]
+            return
         view = self.chunk_view(out[: len(block_ids)], geo)
         for i, chunk in enumerate(block_ids):
             if len(chunk) != geo.blocks_per_chunk:
@@ -140,10 +172,16 @@ class PagedKV:
     def scatter_chunk_layer(self, li: int, chunk: torch.Tensor, block_ids: Sequence[int], geo: ChunkGeometry) -> None:
         """Copy layer ``li`` of one chunk (flat uint8, e.g. a view of the DRAM pool) into its blocks (< 0: skip)."""
         lb = geo.layer_bytes
-        pages = chunk[li * lb : (li + 1) * lb].view(self.dtype).view(geo.blocks_per_chunk, *self.page_shape)
         keep = [j for j, b in enumerate(block_ids) if b >= 0]
         if not keep:
             return
+        if self.host is not None and chunk.device.type == "cpu":
+            pages = self._host_pages(host_bytes(chunk)[li * lb : (li + 1) * lb], geo.blocks_per_chunk)
+            if len(keep) != len(block_ids):
+                pages = pages[keep]
+            self.host[li][np.asarray([block_ids[j] for j in keep], dtype=np.int64)] = pages
+            return
+        pages = chunk[li * lb : (li + 1) * lb].view(self.dtype).view(geo.blocks_per_chunk, *self.page_shape)
         if len(keep) != len(block_ids):
             pages = pages[keep[0] :] if keep == list(range(keep[0], len(block_ids))) else pages[keep]
         if pages.device != self.device:
@@ -160,6 +198,10 @@ class PagedKV:
                     rows.append(i * geo.blocks_per_chunk + j)
                     dst.append(b)
         if not dst:
+            return
+        if self.host is not None and src.device.type == "cpu":
+            pages = self._host_chunks(host_bytes(src), geo)[:, li].reshape(-1, *self.host[li].shape[1:])
+            self.host[li][np.asarray(dst, dtype=np.int64)] = pages[rows]
             return
         pages = view.reshape(-1, *self.page_shape)
         if len(rows) != pages.shape[0]:
