@@ -20,6 +20,7 @@ class ClassStats:
     queued: int = 0
     running: int = 0
     max_queued: int = 0
+    max_running: int = 0  # the most ops of this class in flight at once (serial reads: 1)
     recent_latency: deque = field(default_factory=lambda: deque(maxlen=2048))
 
     def snapshot(self) -> dict:
@@ -34,6 +35,7 @@ class ClassStats:
             "queued": self.queued,
             "running": self.running,
             "max_queued": self.max_queued,
+            "max_running": self.max_running,
             "latency_p50_s": float(np.percentile(lat, 50)),
             "latency_p99_s": float(np.percentile(lat, 99)),
             "gbps": self.bytes / self.seconds / 1e9 if self.seconds else 0.0,
@@ -64,6 +66,7 @@ class IOStats:
             s = self._get(tier, cls)
             s.queued -= 1
             s.running += 1
+            s.max_running = max(s.max_running, s.running)
 
     def finished(self, tier: str, cls: str, nbytes: int, seconds: float, ok: bool) -> None:
         with self._lock:

@@ -1,0 +1,42 @@
+"""`io.threads` is the number of reads in flight: with one thread, the store reads one chunk at a time (the
+bench's `ondemand-serial` mode, the whitepaper's serial baseline), whoever asks and however many ask at once."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from .conftest import CHUNK_BYTES
+from .test_read_path import _evicted_store
+
+
+def _read_from_many_threads(store, keys, readers: int = 4) -> None:
+    def read(part):
+        out = [np.zeros(CHUNK_BYTES, np.uint8) for _ in part]
+        assert store.get_into(part, out) == len(part)
+
+    parts = [keys[i::readers] for i in range(readers)]
+    threads = [threading.Thread(target=read, args=(p,)) for p in parts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _peak_disk_reads(store) -> int:
+    io = store.stats()["io"]
+    return max(v["max_running"] for k, v in io.items() if k.startswith("disk/") and not k.endswith("writeback"))
+
+
+def test_one_io_thread_keeps_one_disk_read_in_flight(open_store, keyer):
+    store, keys = _evicted_store(open_store, keyer, 24, io={"threads": 1})
+    _read_from_many_threads(store, keys)
+    assert store.counters["promoted"] >= len(keys)  # every chunk came up from disk
+    assert _peak_disk_reads(store) == 1
+
+
+def test_reads_in_flight_never_exceed_the_io_threads(open_store, keyer):
+    store, keys = _evicted_store(open_store, keyer, 24, io={"threads": 3})
+    _read_from_many_threads(store, keys)
+    assert 1 <= _peak_disk_reads(store) <= 3
