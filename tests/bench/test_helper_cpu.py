@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 from kvprefetch.bench.engine_proc import HelperCpuMeter
 
@@ -16,9 +17,15 @@ def _burn(cpu_s: float) -> None:
 
 
 def _in_thread(name: str, cpu_s: float) -> None:
+    """Burn in a thread that has ended, for the kernel too: `join` returns once Python is done with the thread,
+    and the OS thread may still be exiting (listed in /proc/self/task, its Python name gone) for a moment."""
     t = threading.Thread(target=_burn, args=(cpu_s,), name=name)
     t.start()
     t.join()
+    task = Path(f"/proc/self/task/{t.native_id}")
+    deadline = time.monotonic() + 10
+    while task.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def test_counts_the_connector_threads_even_after_they_ended():
