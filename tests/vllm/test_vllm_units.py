@@ -431,3 +431,47 @@ def test_scheduler_holds_prefetched_chunks_in_dram_until_the_request_is_served(t
         for n in pools:
             for f in Path("/dev/shm").glob(f"*{n}*"):
                 f.unlink(missing_ok=True)
+
+
+def test_auto_load_mode_reads_in_the_step_only_when_that_costs_the_batch_less():
+    """`CostModel.finish_in_step`: reads inside the step stall every running request; parking the request
+    costs it at least one step. (The cost model has no clock: its rates are what the test observes.)"""
+    cm = CostModel(chunk_bytes=1 << 20, chunk_tokens=256, disk_bps=1e9, copy_bps=10e9)
+    cm.observe_disk(100 << 20, 0.1)  # 1.05 GB/s: one chunk in ~1 ms
+    one_chunk, many = 1 << 20, 64 << 20  # ~1 ms, ~64 ms of reads
+    assert cm.finish_in_step(many, running=0, step_s=0.004)  # idle engine: nobody else waits, never park
+    assert cm.finish_in_step(one_chunk, running=3, step_s=0.02)  # 4 x 1 ms < a 20 ms step: read it now
+    assert not cm.finish_in_step(many, running=3, step_s=0.02)  # 4 x 64 ms > 64 ms alone: park
+    assert not cm.finish_in_step(8 * one_chunk, running=3, step_s=0.0)  # 4 x 8 ms > the 5 ms floor of a step
+    assert cm.finish_in_step(one_chunk, running=3, step_s=0.0)  # 4 x 1 ms within the floor
+
+
+def test_load_mode_auto_is_a_valid_setting():
+    assert parse_extra_config({"load_mode": "auto"}).load_mode == "auto"
+    with pytest.raises(ValueError, match="load_mode"):
+        parse_extra_config({"load_mode": "sometimes"})
+
+
+def test_scheduler_auto_mode_finishes_a_late_prefetch_in_the_step_unless_that_stalls_a_busy_batch():
+    """load_mode auto: a request reached with its prefetch still in flight is not parked for a step when its
+    reads cost the batch less than the step it would wait; on a busy engine with long reads it is."""
+    side, store, keyer, _ = make_scheduler(load_mode="auto")
+    side.cost.observe_prefill(256, 0.5)  # a slow engine: loading always pays
+    side.cost.observe_disk(10_000, 0.01)  # 1 MB/s: a 1000-byte chunk in 1 ms
+    toks = list(range(1100))
+    for k in keyer.keys(toks)[:3]:
+        store.tiers[k] = "disk"
+    r = req(toks)
+    side.on_new_request(r)  # the prefetch starts, and (fake store) stays in flight
+    assert side.get_num_new_matched_tokens(r, 0) == (768, False)  # idle engine: read in the step
+    assert side.counters.snapshot()["finished_in_step"] == 1 and side.counters.snapshot()["prefetch_late"] == 1
+    # a busy engine (4 running, 5 ms steps) and reads of 100 ms: parking costs this request less than stalling 5
+    busy = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+                           num_scheduled_tokens={f"x{i}": 1 for i in range(4)}, total_num_scheduled_tokens=4)
+    side.build_connector_meta(busy)
+    store.handles[0].tickets, store.handles[0].finished = {}, True  # r's reads are over: no queue ahead of r2's
+    side.cost.observe_disk(1000, 0.1)
+    r2 = req(toks[:1000] + [7] * 100)
+    side.on_new_request(r2)
+    assert side.get_num_new_matched_tokens(r2, 0) == (768, True)
+    assert side.counters.snapshot()["finished_in_step"] == 1

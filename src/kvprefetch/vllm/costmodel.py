@@ -47,6 +47,11 @@ class Ema:
         self.samples += 1
 
 
+MIN_STEP_S = 0.005
+"""The shortest engine step `CostModel.finish_in_step` assumes: a step's scheduling and forward cost at least
+this much (a decode step of the packaged tiny model on this CPU: 3-6 ms)."""
+
+
 class TierMeter:
     """Throughput of one tier's reads, from their completions: bytes / busy time, and the ops still queued.
 
@@ -164,6 +169,19 @@ class CostModel:
     def recompute_s(self, tokens: int) -> float | None:
         tps = self.prefill_tps.value
         return None if not tps else tokens / tps
+
+    def finish_in_step(self, remaining_bytes: int, running: int, step_s: float) -> bool:
+        """``load_mode: auto``: finish a reached request's remaining disk reads inside this step, or park it?
+
+        Inside the step, the reads (``remaining_bytes``, the queue ahead of them included) stall the whole
+        batch: this request and the ``running`` others each wait ``t``. Parked (async), only this request waits,
+        but at least one step, since vLLM looks at a parked request again only at the next one: ``max(t, step)``.
+        Finish in the step iff ``t * (1 + running) <= max(t, step)``. An idle engine (nothing running) always
+        reads in the step; a busy one does so only for reads shorter than a step shared by all it runs. The step
+        is never taken below `MIN_STEP_S` (scheduling and a forward cost at least that).
+        """
+        t = self.disk_s(remaining_bytes)
+        return t * (1 + max(running, 0)) <= max(t, step_s, MIN_STEP_S)
 
     def expected_step_s(self, last_step_tokens: int) -> float:
         """How long the step now being scheduled will take, predicted from the last one (0 tokens: idle)."""

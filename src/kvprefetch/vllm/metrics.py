@@ -32,6 +32,7 @@ COUNTERS: dict[str, str] = {
     "loaded_chunks": "Chunks planned for loading into the engine (sync and async).",
     "sync_loads": "Requests loaded inside the forward pass (layer by layer).",
     "async_loads": "Requests loaded between steps (chunks had to come up from disk).",
+    "finished_in_step": "Requests reached with chunks below DRAM whose reads load_mode auto finished in the step.",
     "layer_load_waits": "Times an attention layer waited on the connector for its layer's KV (layer-wise loads).",
     "worker_loaded_chunks": "Chunks copied into the engine's paged KV by the workers.",
     "load_error_chunks": "Chunks that failed to load (reported to vLLM, recomputed).",

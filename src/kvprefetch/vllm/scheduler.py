@@ -98,6 +98,7 @@ class SchedulerSide:
         self._seq = 0
         self._cancel_loads: list[str] = []
         self._last_step_tokens = 0
+        self._last_step_reqs = 0  # requests the last step ran (those a synchronous read would stall)
         # Throughput of the reads this process drives (prefetches); the workers report their own demand reads.
         self.disk_meter = TierMeter(self.cost.observe_disk, clock=clock)
         # Prefetched chunks stay pinned in DRAM until their request is served, so later arrivals and saves do
@@ -221,7 +222,7 @@ class SchedulerSide:
         if self.s.load_policy == "always":
             k = n_hit
         else:
-            async_s = self.cost.expected_step_s(self._last_step_tokens) if self.s.load_mode == "async" else None
+            async_s = self.cost.expected_step_s(self._last_step_tokens) if self.s.load_mode != "sync" else None
             plan = self.cost.plan(on_disk, first, self._queued_disk_bytes(st), async_s)
             k = plan.load_chunks
             # (vLLM asks again each step while the request waits for blocks: count each chunk once)
@@ -238,9 +239,22 @@ class SchedulerSide:
             self._release_held(st)
             return 0, False
         disk = sum(on_disk[first:k])
-        is_async = bool(disk) and self.s.load_mode == "async"
+        is_async = bool(disk) and self._park(st, disk)
         st.planned = (first, k, is_async, disk)
         return k * self.C - num_computed_tokens, is_async
+
+    def _park(self, st: _Req, disk_chunks: int) -> bool:
+        """What happens to a request reached with ``disk_chunks`` of its load still below DRAM: parked, waiting
+        asynchronously for its reads (True), or read inside this step (False). ``load_mode`` decides; ``auto``
+        asks the cost model which costs the batch less (the queue ahead of its reads included)."""
+        if self.s.load_mode != "auto":
+            return self.s.load_mode == "async"
+        remaining = disk_chunks * self.chunk_bytes + self._queued_disk_bytes(st)
+        step_s = self.cost.expected_step_s(self._last_step_tokens)
+        if self.cost.finish_in_step(remaining, self._last_step_reqs, step_s):
+            self.counters.inc("finished_in_step")
+            return False
+        return True
 
     def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
         st = self._state(request)
@@ -305,6 +319,7 @@ class SchedulerSide:
         ]
         meta.step_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
         self._last_step_tokens = meta.step_tokens
+        self._last_step_reqs = len(getattr(scheduler_output, "num_scheduled_tokens", None) or ())
         return meta
 
     def _plan_saves(self, so: Any, meta: KVPrefetchMetadata) -> None:

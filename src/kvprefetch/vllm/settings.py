@@ -22,6 +22,9 @@ false              sync            Reads start when the scheduler reaches the re
                                    [``ondemand-sync``].
 true               sync            Prefetch on arrival, and whatever is still on disk when the request is reached
                                    is read inside the step.
+either             auto            Per request, when the scheduler reaches it with chunks still below DRAM: read
+                                   them inside the step if that costs the batch less than parking the request for
+                                   a step (``CostModel.finish_in_step``), else wait asynchronously.
 =================  ==============  ==================================================================================
 
 In every mode ``load_policy: auto`` loads a hit only where the cost model (``costmodel.py``: measured prefill
@@ -30,7 +33,7 @@ more reluctant.
 
 Connector keys (besides the store's):
 
-* ``load_mode``: ``async`` (default) or ``sync``, see above.
+* ``load_mode``: ``async`` (default), ``sync`` or ``auto``, see above.
 * ``load_policy``: ``auto`` (default), ``always`` (load every hit), ``never`` (save only).
 * ``load_margin``: load a prefix only if its load time * margin <= its recompute time (default 1.0).
 * ``prefill_tps_prior`` / ``disk_bps_prior``: rates assumed until measured (default: none / the tier's
@@ -50,13 +53,14 @@ from typing import Any, Literal
 from kvprefetch.config import StoreConfig
 
 LoadPolicy = Literal["auto", "always", "never"]
-LoadMode = Literal["async", "sync"]
+LoadMode = Literal["async", "sync", "auto"]
 
 _CONNECTOR_KEYS = {
     "model_id": "Model identity used in chunk keys (default: the model path/name and revision).",
     "tenant": "Salt isolating tenants that share a cache.",
     "load_policy": "auto (load only what beats recompute), always, never (save only).",
-    "load_mode": "async (default: a request whose chunks are on disk waits alone) or sync (the step waits).",
+    "load_mode": "async (default: a request whose chunks are on disk waits alone), sync (the step waits) or auto "
+    "(whichever costs the batch less, per request).",
     "layerwise": "Load layer by layer inside the forward pass (default true).",
     "save": "Save new whole chunks to the store (default true).",
     "metrics_port": "Serve Prometheus metrics on this port (scheduler process).",
@@ -105,8 +109,8 @@ def parse_extra_config(extra: dict[str, Any] | None) -> ConnectorSettings:
     s.tenant = own.get("tenant")
     s.load_policy = policy
     s.load_mode = own.get("load_mode", "async")
-    if s.load_mode not in ("async", "sync"):
-        raise ValueError(f"load_mode must be async or sync, got {s.load_mode!r}")
+    if s.load_mode not in ("async", "sync", "auto"):
+        raise ValueError(f"load_mode must be async, sync or auto, got {s.load_mode!r}")
     s.layerwise = _bool(own.get("layerwise", True), "layerwise")
     s.save = _bool(own.get("save", True), "save")
     s.metrics_port = _opt_int(own.get("metrics_port"), "metrics_port")
