@@ -6,7 +6,14 @@ import json
 
 import pytest
 
-from kvprefetch.bench.report import comparisons, markdown_report, rich_table, row_cells, write_outputs
+from kvprefetch.bench.report import (
+    comparisons,
+    markdown_report,
+    markdown_table,
+    rich_table,
+    row_cells,
+    write_outputs,
+)
 
 
 def _row(mode, c, ttft, tok_s, **kw):
@@ -60,13 +67,48 @@ def test_comparisons_put_prefetch_against_each_baseline():
     assert comp[(1, "dram")]["ttft_p50_change"] == pytest.approx(0.25)
 
 
+def _rounds(mode, c, ttfts, toks):
+    return [_row(mode, c, t, x) | {"round": k} for k, (t, x) in enumerate(zip(ttfts, toks, strict=True))]
+
+
+def test_rounds_give_medians_with_their_range_and_paired_verdicts():
+    from kvprefetch.bench.rounds import aggregate
+
+    runs = (_rounds("ondemand-sync", 16, [1.0, 2.0, 1.2], [10.0, 5.0, 9.0])
+            + _rounds("prefetch", 16, [0.6, 1.2, 0.7], [14.0, 7.0, 12.0])
+            + _rounds("ondemand", 16, [0.5, 2.5, 1.0], [10.0, 10.0, 10.0])
+            + _rounds("dram", 16, [0.6, 1.0, 0.8], [14.0, 7.0, 12.0])
+            + [{"mode": "recompute", "concurrency": 16, "status": "failed", "reason": "boom", "round": 0}])  # fmt: skip
+    rows = {r["mode"]: r for r in aggregate(runs)}
+    p = rows["prefetch"]
+    assert p["ttft_p50_s"] == 0.7 and (p["ttft_p50_s_min"], p["ttft_p50_s_max"]) == (0.6, 1.2)
+    assert p["repeats"] == 3 and len(p["ttft_samples_s"]) == 9  # every round's samples
+    assert rows["recompute"]["status"] == "failed" and rows["recompute"]["repeats"] == 0
+    comp = {x["baseline"]: x for x in comparisons(list(rows.values()))}
+    sync = comp["ondemand-sync"]
+    # paired ratios 0.6, 0.6, 0.583: faster in every round, though the medians' ranges overlap
+    assert sync["ttft_verdict"] == "faster" and sync["ttft_p50_change"] == pytest.approx(-0.4)
+    assert sync["throughput_verdict"] == "higher" and sync["rounds"] == 3
+    # against ondemand: 1.2, 0.48, 0.7 -> the rounds disagree: a tie, not a gain
+    assert comp["ondemand"]["ttft_verdict"] == "tie"
+    from kvprefetch.bench.report import goals
+
+    met = {g["goal"]: g["met"] for g in goals(list(comp.values()))}
+    assert met["TTFT p50 vs ondemand-sync <= -26% (c>=16)"] is True
+    assert met["TTFT p50 <= 1.10x dram (c>=8)"] is True  # 1.0, 1.2, 0.875: a tie with dram
+    assert met["never slower than ondemand or ondemand-sync beyond the spread"] is True
+    assert "TTFT p50 >= 8.6x faster than recompute (c=16)" not in met  # recompute failed: not judged
+    assert "| prefetch | 16 | 10 | 0.700 | 0.600-1.200 |" in "\n".join(markdown_table(list(rows.values())))
+
+
 def test_markdown_report_has_tables_regime_whitepaper_and_missing_modes():
     md = markdown_report(_results())
     assert "| prefetch | 8 | 10 | 2.000 |" in md
     assert "Measured regime R = 10.7" in md and "cgroup-v1-blkio" in md
     assert "-26% to -32%" in md and "8.6x to 20x" in md
-    assert "| 8 | ondemand-sync | -50% | +50% | 2.00x |" in md
-    assert "| 8 | recompute | -88% | +200% | 8.00x |" in md
+    assert "| 8 | ondemand-sync | -50% | - | faster | +50% | - | 2.00x |" in md
+    assert "| 8 | recompute | -88% | - | faster | +200% | - | 8.00x |" in md
+    assert "| TTFT p50 <= 1.10x dram (c>=8) | c=8 1.25x | **no** |" in md
     assert "`lmcache`: unavailable: needs CUDA" in md
     assert "| prefetch | 8 | 2.100 | 2.000 | 5930 / 5800 | 43520 / 44420 |" in md
     assert "| dram | 8 | 1.900 | - | - |" in md  # an older run, or a cell that failed

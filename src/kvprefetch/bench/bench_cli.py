@@ -47,20 +47,36 @@ def register(app: typer.Typer) -> None:
                 "--mode",
                 "-m",
                 help="Modes to run (repeat or comma list); "
-                "default: all (recompute, ondemand, ondemand-sync, prefetch, dram, vllm-example, lmcache); "
+                "default: all (recompute, ondemand-serial, ondemand-sync, ondemand, prefetch, dram, "
+                "vllm-example, lmcache); "
                 "opt-in: prefetch-remote, shared-2x, private-2x.",
             ),
         ] = None,
         concurrency: Annotated[
-            str | None, typer.Option(help="Concurrency levels, e.g. 1,4,8,16 (the default).")
+            str | None, typer.Option(help="Concurrency levels, e.g. 1,8,16,32 (the default).")
         ] = None,
         regime: Annotated[
             str,
             typer.Option(
-                help="R = recompute time / slowest-tier load time per chunk, enforced by "
-                "a read throttle; 'native' for none."
+                help="R = recompute time / slowest-tier load time per chunk, enforced by a read throttle; "
+                "'native' for none. Default: the whitepaper's R2 (18.2, derived in report.md)."
             ),
-        ] = "10",
+        ] = "18.2",
+        workload: Annotated[
+            str,
+            typer.Option(
+                help="'context' (default: the whitepaper's R2 shape, a long stored context + 32 new tokens, "
+                "the engine batching 4) or 'chat' (multi-turn sessions, nothing queues)."
+            ),
+        ] = "context",
+        repeats: Annotated[
+            int | None,
+            typer.Option(
+                min=1,
+                help="Rounds of every cell, modes interleaved within each round; medians, min-max and paired "
+                "ratios are reported (default 3; 1 with --quick).",
+            ),
+        ] = None,
         model: Annotated[
             str | None, typer.Option(help="Model path or name (default: the packaged tiny dummy Llama).")
         ] = None,
@@ -147,7 +163,7 @@ def register(app: typer.Typer) -> None:
         from kvprefetch.bench.modes import MODES, TWO_INSTANCE_MODES
         from kvprefetch.bench.regime import parse_regime
         from kvprefetch.bench.runner import QUICK_CONCURRENCY, BenchOptions
-        from kvprefetch.bench.workloads import TraceBench
+        from kvprefetch.bench.workloads import ChatBench, TraceBench
         from kvprefetch.cli import parse_size
 
         modes = [m.strip() for item in (mode or []) for m in item.split(",") if m.strip()]
@@ -166,9 +182,14 @@ def register(app: typer.Typer) -> None:
             r = parse_regime(regime)
         except ValueError as err:
             raise typer.BadParameter(str(err)) from None
+        if workload not in ("context", "chat"):
+            raise typer.BadParameter(f"--workload is 'context' or 'chat', got {workload!r}")
         opts = BenchOptions(regime=r, model=model, engine_args=parse_engine_args(engine_arg or []), quick=quick,
                             chunk_tokens=chunk_tokens, cache_dir=cache_dir, keep_cache=keep_cache, step_log=step_log,
-                            cell_timeout_s=cell_timeout, remote_backend=remote_backend)  # fmt: skip
+                            cell_timeout_s=cell_timeout, remote_backend=remote_backend,
+                            repeats=repeats or (1 if quick else 3))  # fmt: skip
+        if workload == "chat" or no_reuse or trace is not None or scenario == "two-instance":
+            opts.chat, opts.max_num_seqs = ChatBench(), None
         if modes:
             opts.modes = modes
         if quick:
@@ -213,7 +234,7 @@ def run_and_report(opts) -> dict:
 
     from kvprefetch.bench.client import EngineError
     from kvprefetch.bench.modes import known_failure
-    from kvprefetch.bench.report import rich_table, row_cells, write_outputs
+    from kvprefetch.bench.report import TABLE_COLUMNS, rich_table, row_cells, write_outputs
     from kvprefetch.bench.runner import Bench, simulator_prediction
 
     levels = ",".join(map(str, opts.concurrency))
@@ -239,12 +260,12 @@ def run_and_report(opts) -> dict:
             bar.update(task, **kw)
 
         def on_row(row: dict) -> None:
-            cells = row_cells(row)
+            cell = dict(zip((h for _, h, _ in TABLE_COLUMNS), row_cells(row), strict=True))
             if row.get("status") == "ok":
                 bar.console.print(
-                    f"  {row['mode']:<13} c={row['concurrency']:<3} TTFT p50 {cells[3]} s, p90 {cells[4]} s, "
-                    f"{cells[7]} out tok/s, hit {cells[9]}, disk {cells[12]}, errors {row.get('errors')}, "
-                    f"other CPU {cells[-1]}"
+                    f"  {row['mode']:<15} c={row['concurrency']:<3} round {row.get('round', 0) + 1}: TTFT p50 "
+                    f"{cell['TTFT p50 s']} s, p90 {cell['p90 s']} s, {cell['out tok/s']} out tok/s, hit {cell['hit']}, "
+                    f"disk {cell['disk']}, errors {row.get('errors')}, other CPU {cell['other CPU']}"
                 )
             else:
                 bar.console.print(
@@ -265,7 +286,7 @@ def run_and_report(opts) -> dict:
     title = f"kvprefetch bench: {results['workload']['name']}, regime asked {reg.get('asked')}"
     if reg.get("measured"):
         title += f", measured R = {reg['measured']:.1f}"
-    wide = console if console.is_terminal and console.width >= 160 else Console(width=max(console.width, 170))
+    wide = console if console.is_terminal and console.width >= 200 else Console(width=max(console.width, 210))
     wide.print(rich_table(results["rows"], title=title))
     for r in results["rows"]:
         if r.get("status") != "ok":

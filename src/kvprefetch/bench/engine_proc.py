@@ -106,6 +106,9 @@ def counters_snapshot() -> dict:
             agg["ops"] += int(io.get("ops", 0))
             agg["busy_seconds"] += float(io.get("busy_seconds", 0.0))
             agg["errors"] += int(io.get("errors", 0))
+            if key.startswith("disk/") and not key.endswith("/writeback"):  # a peak, not a count: not summed
+                snap["peak_disk_reads_in_flight"] = max(snap.get("peak_disk_reads_in_flight", 0),
+                                                        int(io.get("max_running", 0)))  # fmt: skip
     return snap
 
 
@@ -440,11 +443,13 @@ def _machine_busy_s() -> float | None:
 
 
 def _own_cpu_s() -> float | None:
+    """The process's CPU seconds, its ended threads included: the scheduler's exact runtime (the same clock as
+    `_thread_cpu_s`; ``os.times()`` is tick-sampled and scaled, and its difference from the threads' sum could
+    exceed what it measures on a busy machine)."""
     try:
-        t = os.times()
+        return time.process_time()
     except OSError:
         return None
-    return t.user + t.system
 
 
 class HelperCpuMeter:
@@ -482,6 +487,11 @@ def _helper_cpu_s() -> float | None:
 
 
 def _thread_cpu_s(tid: str) -> float:
+    """One thread's CPU seconds: its exact runtime from schedstat (nanoseconds), else its utime + stime ticks."""
+    try:
+        return int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0]) / 1e9
+    except (OSError, IndexError, ValueError):
+        pass
     try:
         fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
@@ -511,6 +521,18 @@ def preload_dram(max_chunks: int | None = None) -> dict:
         store.prefetch(keys[i : i + 256]).wait(timeout=600)
     in_dram = sum(store.dram.contains_many(keys)) if keys else 0
     return {"chunks": len(keys), "in_dram": in_dram, "seconds": time.perf_counter() - t}
+
+
+def cool_dram() -> dict:
+    """Drop every chunk of the disk tier from the DRAM pool (writes flushed first): a cell then starts with
+    only the disk tier warm, as the first round's did. Pinned chunks stay (none between cells)."""
+    c = _scheduler_connector()
+    if c is None:
+        return {"dropped": 0}
+    store = c.store
+    store.flush()
+    keys = _disk_keys(Path(store.config.disk.path))
+    return {"dropped": sum(1 for k in keys if store.dram.discard(k))}
 
 
 def disk_read_bandwidth(max_chunks: int, seconds: float, rate_limit_bps: int | None = None) -> dict:
@@ -731,6 +753,8 @@ def main() -> None:
                 _reply({"reset": _reset_prefix_cache(engine)})
             elif op == "flush":
                 _reply({"flushed": flush_stores()})
+            elif op == "cool_dram":
+                _reply(cool_dram())
             elif op == "preload_dram":
                 _reply(preload_dram(cmd.get("max_chunks")))
             elif op == "disk_bandwidth":

@@ -10,8 +10,11 @@ from typing import Any
 MODES: dict[str, str] = {
     "recompute": "vLLM alone: its own prefix cache (same engine KV size as the others), no external KV",
     "ondemand": "kvprefetch, prefetch off: reads start when the scheduler reaches the request (async load)",
-    "ondemand-sync": "kvprefetch, prefetch off, loads block the engine step (LMCache's default behaviour)",
-    "prefetch": "kvprefetch, prefetch on arrival",
+    "ondemand-sync": "kvprefetch, prefetch off, loads block the engine step, parallel reads",
+    "ondemand-serial": "kvprefetch, prefetch off, loads block the engine step, one read in flight (LMCache's "
+    "default behaviour: the whitepaper's baseline)",
+    "prefetch": "kvprefetch, prefetch on arrival, load_mode auto (a late prefetch finishes in the step when that "
+    "costs the batch less than parking the request)",
     "dram": "kvprefetch with every reusable chunk already in DRAM (the bound perfect prefetch approaches)",
     "vllm-example": "vLLM's built-in ExampleConnector on the same disk (what a user gets without us)",
     "lmcache": "LMCache's vLLM connector (CPU + local disk), CUDA machines where lmcache is installed",
@@ -44,7 +47,9 @@ def known_failure(mode: str, reason: str | None) -> str | None:
 TWO_INSTANCE_MODES = ("shared-2x", "private-2x")
 REMOTE_MODES = ("prefetch-remote",)
 
-CONNECTOR_MODES = ("ondemand", "ondemand-sync", "prefetch", "dram")
+CONNECTOR_MODES = ("ondemand", "ondemand-sync", "ondemand-serial", "prefetch", "dram")
+SYNC_MODES = ("ondemand-sync", "ondemand-serial")  # loads inside the engine step
+SERIAL_READS = ("ondemand-serial",)  # one read in flight: io.threads = 1
 
 
 def connector_has_setting(name: str) -> bool:
@@ -91,7 +96,7 @@ def remote_section(backend: str, server: Any, segment_bytes: int | None = None) 
 def availability(mode: str, cuda: bool, remote_backend: str = "redis") -> tuple[bool, str]:
     if mode not in MODES:
         return False, f"unknown mode {mode!r}"
-    if mode == "ondemand-sync" and not connector_has_setting("load_mode"):
+    if mode in SYNC_MODES and not connector_has_setting("load_mode"):
         return False, "the connector has no load_mode setting yet (synchronous loads)"
     if mode in REMOTE_MODES and not remote_available(remote_backend):
         return False, f"the {remote_backend} server is not installed"
@@ -115,13 +120,15 @@ class StoreSizing:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def kvprefetch_extra(sizing: StoreSizing, disk_dir: Path, pool: str, *, prefetch: bool, sync: bool = False) -> dict:
+def kvprefetch_extra(sizing: StoreSizing, disk_dir: Path, pool: str, *, prefetch: bool, sync: bool = False,
+                     serial: bool = False) -> dict:  # fmt: skip
+    """The connector's settings for a mode: ``sync`` loads inside the step, ``serial`` keeps one read in flight."""
     extra: dict[str, Any] = {
         "chunk_tokens": sizing.chunk_tokens,
         "prefetch": prefetch,
         "dram": {"capacity_bytes": int(sizing.dram_bytes), "pool_name": pool},
         "disk": {"path": str(disk_dir), "capacity_bytes": int(sizing.disk_bytes)},
-        "io": {"threads": sizing.io_threads},
+        "io": {"threads": 1 if serial else sizing.io_threads},
         "log_interval_s": 0,
     }
     if sizing.read_rate_limit_bps:
@@ -132,6 +139,8 @@ def kvprefetch_extra(sizing: StoreSizing, disk_dir: Path, pool: str, *, prefetch
         extra["disk_bps_prior"] = float(sizing.disk_bps_prior)
     if sync:
         extra["load_mode"] = "sync"
+    elif prefetch:  # what the product recommends with prefetch: finish a late prefetch in the step when cheaper
+        extra["load_mode"] = "auto"
     extra.update(sizing.extra)
     return extra
 
@@ -155,7 +164,8 @@ def kv_transfer_config(mode: str, sizing: StoreSizing, disk_dir: Path, pool: str
         }
     if mode in CONNECTOR_MODES:
         extra = kvprefetch_extra(
-            sizing, disk_dir, pool, prefetch=mode in ("prefetch", "dram"), sync=mode == "ondemand-sync"
+            sizing, disk_dir, pool, prefetch=mode in ("prefetch", "dram"), sync=mode in SYNC_MODES,
+            serial=mode in SERIAL_READS,
         )
         return {
             "kv_connector": "KVPrefetchConnector",

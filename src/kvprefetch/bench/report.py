@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvprefetch.bench.modes import known_failure
-from kvprefetch.bench.stats import ratio
+from kvprefetch.bench.rounds import paired
 from kvprefetch.sim.calibration import engine_calibrations
 
 WHITEPAPER = {
@@ -22,10 +22,12 @@ TABLE_COLUMNS: list[tuple[str, str, str]] = [
     ("concurrency", "conc", "d"),
     ("completed", "reqs", "d"),
     ("ttft_p50_s", "TTFT p50 s", ".3f"),
+    ("ttft_p50_s", "min-max", "range.3f"),
     ("ttft_p90_s", "p90 s", ".3f"),
     ("ttft_p99_s", "p99 s", ".3f"),
     ("itl_p50_s", "ITL p50 ms", "ms"),
     ("output_tok_s", "out tok/s", ".1f"),
+    ("output_tok_s", "min-max", "range.1f"),
     ("requests_per_s", "req/s", ".2f"),
     ("hit_ratio", "hit", "%"),
     ("share_engine", "engine", "%"),
@@ -64,7 +66,16 @@ def row_cells(row: dict) -> list[str]:
     if row.get("status") not in (None, "ok"):
         cells = [str(row.get("mode")), str(row.get("concurrency")), str(row.get("status"))]
         return cells + ["-"] * (len(TABLE_COLUMNS) - 3)
-    return [fmt(row.get(k), f) for k, _, f in TABLE_COLUMNS]
+    return [_range(row, k, f.removeprefix("range")) if f.startswith("range") else fmt(row.get(k), f)
+            for k, _, f in TABLE_COLUMNS]  # fmt: skip
+
+
+def _range(row: dict, key: str, kind: str) -> str:
+    """The min-max of a figure over the cell's rounds ("-" for a single round)."""
+    lo, hi = row.get(f"{key}_min"), row.get(f"{key}_max")
+    if lo is None or hi is None or row.get("repeats", 1) < 2:
+        return "-"
+    return f"{fmt(lo, kind)}-{fmt(hi, kind)}"
 
 
 def rich_table(rows: list[dict], title: str = "kvprefetch bench"):
@@ -89,32 +100,78 @@ def _find(rows: list[dict], mode: str, c: int) -> dict | None:
     return None
 
 
+BASELINES = ("ondemand-serial", "ondemand-sync", "ondemand", "dram", "recompute", "vllm-example", "lmcache")
+
+
 def comparisons(rows: list[dict]) -> list[dict]:
-    """Per concurrency: prefetch against each baseline (TTFT p50 change, throughput change, speed-up)."""
+    """Per concurrency: prefetch against each baseline, paired round by round (`kvprefetch.bench.rounds`):
+    TTFT p50 and throughput change (median of the rounds' ratios, with their range and verdict), speed-up."""
     out = []
     levels = sorted({r["concurrency"] for r in _ok(rows)})
     for c in levels:
         p = _find(rows, "prefetch", c)
         if p is None:
             continue
-        for base in ("ondemand-sync", "ondemand", "dram", "recompute", "vllm-example", "lmcache"):
+        for base in BASELINES:
             b = _find(rows, base, c)
             if b is None:
                 continue
-            ttft = ratio(p["ttft_p50_s"], b["ttft_p50_s"])
-            thr = ratio(p["output_tok_s"], b["output_tok_s"])
+            ttft, thr = paired(p, b, "ttft_p50_s"), paired(p, b, "output_tok_s")
             out.append({
                 "concurrency": c,
                 "baseline": base,
-                "ttft_p50_change": None if ttft is None else ttft - 1.0,
-                "throughput_change": None if thr is None else thr - 1.0,
-                "ttft_speedup": None if ttft in (None, 0) else 1.0 / ttft,
+                "ttft_p50_change": None if ttft is None else ttft["ratio"] - 1.0,
+                "ttft_p50_change_range": None if ttft is None else (ttft["min"] - 1.0, ttft["max"] - 1.0),
+                "ttft_verdict": None if ttft is None else {"lower": "faster", "higher": "slower"}.get(
+                    ttft["verdict"], "tie"),
+                "throughput_change": None if thr is None else thr["ratio"] - 1.0,
+                "throughput_change_range": None if thr is None else (thr["min"] - 1.0, thr["max"] - 1.0),
+                "throughput_verdict": None if thr is None else thr["verdict"],
+                "ttft_speedup": None if ttft is None or not ttft["ratio"] else 1.0 / ttft["ratio"],
+                "rounds": 0 if ttft is None else ttft["n"],
             })  # fmt: skip
+    return out
+
+
+def goals(comp: list[dict]) -> list[dict]:
+    """The issue's targets against this run's paired medians: (goal, measured, met). A target is judged only
+    where the run measured it; a tie never counts as a gain."""
+    by = {(x["baseline"], x["concurrency"]): x for x in comp}
+    out = []
+
+    def add(goal: str, keys: list[tuple[str, int]], value, test) -> None:
+        got = [(k, by[k]) for k in keys if k in by]
+        if not got:
+            return
+        text = ", ".join(f"c={k[1]} {value(x)}" for k, x in got)
+        out.append({"goal": goal, "measured": text, "met": all(test(x) for _, x in got)})
+
+    big = sorted({c for _, c in by if c >= 16})
+    mid = sorted({c for _, c in by if c >= 8})
+    add("TTFT p50 vs ondemand-sync <= -26% (c>=16)", [("ondemand-sync", c) for c in big],
+        lambda x: _pct(x["ttft_p50_change"]), lambda x: x["ttft_p50_change"] <= -0.26 and x["ttft_verdict"] == "faster")
+    add("throughput vs ondemand-sync >= +29% (c>=16)", [("ondemand-sync", c) for c in big],
+        lambda x: _pct(x["throughput_change"]),
+        lambda x: x["throughput_change"] >= 0.29 and x["throughput_verdict"] == "higher")
+    add("TTFT p50 vs ondemand-serial <= -30% (c>=8)", [("ondemand-serial", c) for c in mid],
+        lambda x: _pct(x["ttft_p50_change"]), lambda x: x["ttft_p50_change"] <= -0.30 and x["ttft_verdict"] == "faster")
+    add("TTFT p50 <= 1.10x dram (c>=8)", [("dram", c) for c in mid],
+        lambda x: f"{1 + x['ttft_p50_change']:.2f}x",
+        lambda x: x["ttft_p50_change"] <= 0.10 or x["ttft_verdict"] == "tie")
+    add("TTFT p50 >= 8.6x faster than recompute (c=16)", [("recompute", 16)],
+        lambda x: f"{x['ttft_speedup']:.1f}x", lambda x: x["ttft_speedup"] >= 8.6)
+    add("never slower than ondemand or ondemand-sync beyond the spread",
+        [(b, c) for b in ("ondemand", "ondemand-sync") for c in sorted({c for _, c in by})],
+        lambda x: x["ttft_verdict"], lambda x: x["ttft_verdict"] != "slower")  # fmt: skip
     return out
 
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:+.0f}%"
+
+
+def _pct_range(r: tuple[float, float] | None) -> str:
+    return "-" if r is None or r[0] == r[1] else f"{_pct(r[0])}..{_pct(r[1])}"
 
 
 def markdown_report(results: dict) -> str:
@@ -147,6 +204,8 @@ def markdown_report(results: dict) -> str:
     lines += ["", "## Storage regime", ""]
     asked = reg.get("asked")
     lines.append(f"- Asked: {asked if asked == 'native' else f'R = {asked}'}; enforced by: {reg.get('enforced_by')}.")
+    if reg.get("whitepaper_r2"):
+        lines.append(f"- The default (R = 18.2) is {reg['whitepaper_r2']}.")
     if reg.get("prefill_tokens_per_s"):
         lines.append(f"- Prefill {reg['prefill_tokens_per_s']:,.0f} tokens/s -> recompute one chunk "
                      f"({reg.get('chunk_tokens')} tokens, {reg.get('chunk_bytes', 0) / 2**20:.2f} MiB) in "
@@ -171,18 +230,27 @@ def markdown_report(results: dict) -> str:
     comp = comparisons(rows)
     if comp:
         lines += ["## prefetch against the baselines, next to the whitepaper", ""]
-        lines.append("| conc | baseline | TTFT p50 | throughput | TTFT speed-up | whitepaper |")
-        lines.append("|---:|---|---:|---:|---:|---|")
+        lines.append("Paired: prefetch / baseline within each round, then the median of the rounds' ratios and their "
+                     "range; a range that contains 0% is a tie.")  # fmt: skip
+        lines += ["", "| conc | baseline | TTFT p50 | range | verdict | throughput | range | TTFT speed-up | "
+                  "whitepaper |", "|---:|---|---:|---:|---|---:|---:|---:|---|"]  # fmt: skip
         for x in comp:
             paper = ""
-            if x["baseline"] in ("ondemand-sync", "ondemand"):
+            if x["baseline"] in ("ondemand-serial", "ondemand-sync", "ondemand"):
                 paper = f"{WHITEPAPER['ttft_vs_no_prefetch']}; {WHITEPAPER['throughput_vs_no_prefetch']}"
             elif x["baseline"] == "recompute":
                 paper = WHITEPAPER["vs_recompute"]
             speed = "-" if x["ttft_speedup"] is None else f"{x['ttft_speedup']:.2f}x"
             lines.append(f"| {x['concurrency']} | {x['baseline']} | {_pct(x['ttft_p50_change'])} | "
-                         f"{_pct(x['throughput_change'])} | {speed} | {paper} |")  # fmt: skip
+                         f"{_pct_range(x['ttft_p50_change_range'])} | {x['ttft_verdict']} | "
+                         f"{_pct(x['throughput_change'])} | {_pct_range(x['throughput_change_range'])} | {speed} | "
+                         f"{paper} |")  # fmt: skip
         lines.append("")
+        g = goals(comp)
+        if g:
+            lines += ["## Goals (issue 19), on this run's paired medians", "", "| goal | measured | met |",
+                      "|---|---|---|"] + [f"| {x['goal']} | {x['measured']} | {'yes' if x['met'] else '**no**'} |"
+                                          for x in g] + [""]  # fmt: skip
     preds = results.get("simulator_prediction")
     if preds:
         lines += ["## Simulator (calibrated from this run) vs measured TTFT p50", ""]

@@ -45,10 +45,13 @@ from kvprefetch.bench.modes import (
     route_turn,
     two_instance_caches,
 )
-from kvprefetch.bench.regime import DEFAULT_REGIME, make_throttle, measured_regime, target_bps
+from kvprefetch.bench.regime import DEFAULT_REGIME, make_throttle, measured_regime, target_bps, whitepaper_r2
+from kvprefetch.bench.rounds import aggregate
 from kvprefetch.bench.sessions import SessionSchedule
 from kvprefetch.bench.stats import cell_metrics
 from kvprefetch.bench.workloads import (
+    CONTEXT,
+    CONTEXT_MAX_NUM_SEQS,
     BenchWorkload,
     ChatBench,
     TraceBench,
@@ -59,9 +62,11 @@ from kvprefetch.bench.workloads import (
 from kvprefetch.sim.calibration import BENCH_MODES
 
 PACKAGED_MODEL = Path(__file__).with_name("models") / "tiny-llama"
-DEFAULT_MODES = ["recompute", "ondemand", "ondemand-sync", "prefetch", "dram", "vllm-example", "lmcache"]
-DEFAULT_CONCURRENCY = [1, 4, 8, 16]
+DEFAULT_MODES = ["recompute", "ondemand-serial", "ondemand-sync", "ondemand", "prefetch", "dram", "vllm-example",
+                 "lmcache"]
+DEFAULT_CONCURRENCY = [1, 8, 16, 32]
 QUICK_CONCURRENCY = [2, 8]
+SPEC_KEYS = ("load_format", "dtype", "max_num_seqs")  # engine args the spec sets itself
 CALIBRATE_EST_S = 15.0  # one engine's calibration (engine_proc.calibrate), for the progress bar's ETA
 
 
@@ -73,13 +78,14 @@ class BenchOptions:
     model: str | None = None
     engine_args: dict[str, Any] = field(default_factory=dict)
     out: Path | None = None
-    chat: ChatBench = field(default_factory=ChatBench)
+    chat: ChatBench = CONTEXT  # the default workload (a ChatBench preset); chat: ChatBench()
     trace: TraceBench | None = None
     cache_dir: Path | None = None
     chunk_tokens: int = 256
     kv_cache_bytes: int | None = None  # engine KV cache; default: room for 4 of the longest requests
     dram_bytes: int | None = None  # DRAM tier of the non-`dram` modes; default: see Bench.run
     max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = CONTEXT_MAX_NUM_SEQS  # None: the largest concurrency (nothing queues)
     io_threads: int = 4
     cell_timeout_s: float = 1800
     keep_cache: bool = False
@@ -87,6 +93,18 @@ class BenchOptions:
     quick: bool = False
     calibrate_modes: bool = True  # measure each simulated mode's engine too, after its cells (~15 s each)
     remote_backend: str = "redis"  # the prefetch-remote mode's server: redis or mooncake
+    repeats: int = 3  # rounds of every cell, modes interleaved within a round (kvprefetch.bench.rounds)
+
+
+@dataclass
+class _ModeEngine:
+    """A mode's engine and what it owns for the run (closed once every round is done)."""
+
+    mode: str
+    eng: EngineProcess | None
+    pool: str  # its DRAM pool
+    disk: Path  # its copy of the populated disk tier
+    server: Any = None  # the remote mode's server
 
 
 # ---- model --------------------------------------------------------------------------------------------------
@@ -242,7 +260,7 @@ class Bench:
         self.on_row = on_row or (lambda row: None)
         self.log = log or (lambda msg: None)
         self.run_id = uuid.uuid4().hex[:8]
-        self.rows: list[dict] = []
+        self.runs: list[dict] = []  # every cell of every round, in the order run
         self.notes: list[str] = []
         self.engine_block_tokens: int | None = None  # vLLM's KV block size, from the populate engine
         self.calibrate_args: dict[str, int] = {}
@@ -257,9 +275,9 @@ class Bench:
             "dtype": m.dtype,
             "max_model_len": self.max_model_len,
             "kv_cache_bytes": self.kv_cache_bytes,
-            "max_num_seqs": max(self.o.concurrency),
+            "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.o.max_num_batched_tokens,
-            "engine_args": {k: v for k, v in self.o.engine_args.items() if k not in ("load_format", "dtype")},
+            "engine_args": {k: v for k, v in self.o.engine_args.items() if k not in SPEC_KEYS},
             "kv_transfer_config": kv_transfer,
             "cgroup": cgroup,
             "env": env or {},
@@ -279,6 +297,7 @@ class Bench:
         o = self.o
         t_start = time.time()
         self.model = resolve_model(o.model, o.engine_args)
+        self.max_num_seqs = int(o.engine_args.get("max_num_seqs") or o.max_num_seqs or max(o.concurrency))
         self.cuda = self.model.device == "cuda"
         self.workload = build_workload(o, self.model.vocab_size)
         w = self.workload
@@ -303,18 +322,21 @@ class Bench:
         self.p.plan(25 + 15 + w.prelude_tokens() / est_tps + 20)
         for m in running:
             calibrate = CALIBRATE_EST_S if m in BENCH_MODES and o.calibrate_modes else 0.0
+            rounds = 1 if m in TWO_INSTANCE_MODES else o.repeats
             self.p.plan(25 * (2 if m in TWO_INSTANCE_MODES else 1) + calibrate
-                        + sum(self._cell_estimate(m, c, est_tps) for c in o.concurrency))  # fmt: skip
+                        + rounds * sum(self._cell_estimate(m, c, est_tps) for c in o.concurrency))  # fmt: skip
 
         throttle, why = (None, "regime native") if o.regime is None else make_throttle(self.work, f"kvb-{self.run_id}")
-        regime: dict[str, Any] = {"asked": o.regime if o.regime is not None else "native"}
+        regime: dict[str, Any] = {"asked": o.regime if o.regime is not None else "native",
+                                  "whitepaper_r2": whitepaper_r2().sentence()}  # fmt: skip
         try:
             # ---- phase 1: populate, calibrate, regime --------------------------------------------------------
             prelude_chunks_est = math.ceil(w.prelude_tokens() / chunk)
             chunk_bytes_est = chunk * self.model.bytes_per_token
-            # Room for the in-flight requests' KV 1.5 times over (what prefetching the queue needs), and at
+            # Room for the in-flight requests' KV 3 times over (what prefetching the queue needs), and at
             # least a quarter of the prelude: enough for prefetch to work, not enough to hold every history.
-            in_flight = math.ceil(1.5 * max(o.concurrency) * math.ceil(w.max_prompt_tokens() / chunk))
+            # (twice over: the DRAM holds of a queue's prefetches take their budget out of it)
+            in_flight = math.ceil(3 * max(o.concurrency) * math.ceil(w.max_prompt_tokens() / chunk))
             dram_default = max(in_flight, 4, math.ceil(prelude_chunks_est / 4)) * (chunk_bytes_est + 8192)
             self.sizing = StoreSizing(
                 chunk_tokens=chunk,
@@ -382,17 +404,26 @@ class Bench:
                              "store_counters": counters.get("store")}  # fmt: skip
             self.chunk_bytes = regime["chunk_bytes"]
 
-            # ---- phase 2: modes ----------------------------------------------------------------------------------
+            # ---- phase 2: modes, round by round -----------------------------------------------------------------
             for m in modes:
-                ok, reason = avail[m]
-                if not ok:
+                if not avail[m][0]:
                     for c in o.concurrency:
-                        self._add_row({"mode": m, "concurrency": c, "status": "unavailable", "reason": reason})
-                    continue
-                if m in TWO_INSTANCE_MODES:
+                        self._add_row({"mode": m, "concurrency": c, "status": "unavailable", "reason": avail[m][1]})
+            opened: dict[str, _ModeEngine] = {}
+            try:
+                for m in running:
+                    if m not in TWO_INSTANCE_MODES and (me := self._open_mode(m, populated, throttle, tps)):
+                        opened[m] = me
+                for k in range(o.repeats):
+                    for m, me in opened.items():
+                        where = f" (round {k + 1} of {o.repeats})" if o.repeats > 1 else ""
+                        self._run_cells(m, tps, where, lambda c, me=me, k=k: self._mode_cell(me, c, k), round_=k)
+            finally:
+                for me in opened.values():
+                    self._close_mode(me)
+            for m in running:
+                if m in TWO_INSTANCE_MODES:  # two engines each: run after the others, one round
                     self._run_two_instance(m, populated, throttle, tps)
-                else:
-                    self._run_mode(m, populated, throttle, tps)
         finally:
             if throttle is not None:
                 throttle.remove()
@@ -413,7 +444,7 @@ class Bench:
                 "engine_kv_cache_bytes": self.kv_cache_bytes,
                 "engine_kv_cache_tokens": self.kv_cache_bytes // self.model.bytes_per_token,
                 "engine_block_tokens": self.engine_block_tokens,
-                "max_num_seqs": max(o.concurrency),
+                "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": o.max_num_batched_tokens,
                 "engine_args": o.engine_args,
                 "dram_tier_bytes": self.sizing.dram_bytes,
@@ -433,7 +464,8 @@ class Bench:
             "mode_calibrations": self.mode_calibrations,
             "modes": {m: {"description": MODES[m], "available": avail[m][0], "reason": avail[m][1]} for m in modes},
             "notes": self.notes,
-            "rows": self.rows,
+            "rows": aggregate(self.runs),
+            "runs": self.runs,
         }
         if not o.keep_cache:
             shutil.rmtree(self.work, ignore_errors=True)
@@ -452,9 +484,10 @@ class Bench:
         for c in self.o.concurrency:
             self._add_row({"mode": mode, "concurrency": c, "status": "failed", "reason": "engine start failed"})
 
-    def _run_cells(self, mode: str, tps: float, where: str, cell: Callable[[int], tuple[dict, dict]]) -> None:
-        """One row per concurrency level: `cell(c)` runs it and returns (engine result, extra row fields);
-        an engine error fails that row only."""
+    def _run_cells(self, mode: str, tps: float, where: str, cell: Callable[[int], tuple[dict, dict]],
+                   round_: int = 0) -> None:  # fmt: skip
+        """One run per concurrency level: `cell(c)` runs it and returns (engine result, extra row fields);
+        an engine error fails that run only."""
         for c in self.o.concurrency:
             est = self._cell_estimate(mode, c, tps)
             self.p.update(f"{mode} @ concurrency {c}: {self.workload.requests(c)} requests{where}")
@@ -466,18 +499,20 @@ class Bench:
             except EngineError as err:
                 self.notes.append(f"{mode} @ {c}: {str(err)[:2000]}")
                 row = {"mode": mode, "concurrency": c, "status": "failed", "reason": str(err).splitlines()[0]}
-            self._add_row(row)
+            self._add_row(row | {"round": round_})
             self.p.update(f"{mode} @ concurrency {c} done", est)
 
     def _add_row(self, row: dict) -> None:
+        """One run of a cell (a round); `results["rows"]` are their aggregates (`kvprefetch.bench.rounds`)."""
         row = {"workload": self.workload.name, "regime": self.o.regime if self.o.regime is not None else "native"} | row
-        self.rows.append(row)
+        self.runs.append(row)
         self.on_row(row)
 
-    def _run_mode(self, mode: str, populated: Path, throttle, tps: float) -> None:
+    def _open_mode(self, mode: str, populated: Path, throttle, tps: float) -> _ModeEngine | None:
+        """The mode's engine, on its own copy of the populated disk tier and its own DRAM pool, warmed up (and,
+        in `dram` mode, with every chunk in DRAM); None if it failed to start (its rows say so)."""
         o = self.o
-        disk = self.work / f"disk-{mode}"
-        pool = f"kvb-{self.run_id}-{mode}"
+        me = _ModeEngine(mode, None, f"kvb-{self.run_id}-{mode}", self.work / f"disk-{mode}")
         sizing = self.sizing
         if mode == "dram":
             total = self._count_chunks(populated) + math.ceil(
@@ -488,53 +523,62 @@ class Bench:
                 **(asdict(self.sizing) | {"dram_bytes": int((total + 64) * (self.chunk_bytes + 8192) * 1.1)})
             )
         if mode in CONNECTOR_MODES:
-            _clone_tree(populated, disk)
+            _clone_tree(populated, me.disk)
         else:
-            disk.mkdir(parents=True, exist_ok=True)
-        env = lmcache_env(sizing, disk) if mode == "lmcache" else None
-        server, remote = None, None
-        eng = None
+            me.disk.mkdir(parents=True, exist_ok=True)
+        env = lmcache_env(sizing, me.disk) if mode == "lmcache" else None
+        remote = None
         try:
-            try:
-                if mode in REMOTE_MODES:
-                    server, remote = self._remote_server(mode)
-                spec = self._spec(kv_transfer_config(mode, sizing, disk, pool, remote=remote),
-                                  cgroup=str(throttle.path) if throttle else None, env=env)  # fmt: skip
-                eng = self._start(mode, spec)
-                if mode in REMOTE_MODES:
-                    self._seed_remote(mode, eng, populated)
-            except (EngineError, RuntimeError, OSError, TimeoutError) as err:
-                self._start_failed(mode, err)
-                self.p.update(f"{mode}: failed", sum(self._cell_estimate(mode, c, tps) for c in o.concurrency))
-                return
-            if mode == "dram":
-                self.p.update("dram: reading every chunk into DRAM")
-                pre = eng.call("preload_dram")
-                self.notes.append(f"dram: {pre['in_dram']} of {pre['chunks']} chunks in DRAM before the run "
-                                  f"({pre['seconds']:.1f}s)")  # fmt: skip
-            if mode == "lmcache":
-                self.p.update("lmcache: running the prelude in its own store")
-                eng.call("run", file=self.wfile, level="prelude", concurrency=max(o.concurrency), tag="prelude",
-                         timeout_s=o.cell_timeout_s)  # fmt: skip
+            if mode in REMOTE_MODES:
+                me.server, remote = self._remote_server(mode)
+            spec = self._spec(kv_transfer_config(mode, sizing, me.disk, me.pool, remote=remote),
+                              cgroup=str(throttle.path) if throttle else None, env=env)  # fmt: skip
+            me.eng = self._start(mode, spec)
+            if mode in REMOTE_MODES:
+                self._seed_remote(mode, me.eng, populated)
+        except (EngineError, RuntimeError, OSError, TimeoutError) as err:
+            self._close_mode(me, calibrate=False)
+            self._start_failed(mode, err)
+            self.p.update(f"{mode}: failed", o.repeats * sum(self._cell_estimate(mode, c, tps) for c in o.concurrency))
+            return None
+        if mode == "dram":
+            self.p.update("dram: reading every chunk into DRAM")
+            pre = me.eng.call("preload_dram")
+            self.notes.append(f"dram: {pre['in_dram']} of {pre['chunks']} chunks in DRAM before the run "
+                              f"({pre['seconds']:.1f}s)")  # fmt: skip
+        if mode == "lmcache":
+            self.p.update("lmcache: running the prelude in its own store")
+            me.eng.call("run", file=self.wfile, level="prelude", concurrency=max(o.concurrency), tag="prelude",
+                        timeout_s=o.cell_timeout_s)  # fmt: skip
+        return me
 
-            def cell(c: int) -> tuple[dict, dict]:
-                self._reset(eng, mode, c)
-                res = eng.call("run", file=self.wfile, level=c, concurrency=c, tag=f"{mode}-c{c}",
-                               timeout_s=o.cell_timeout_s, timeout=o.cell_timeout_s + 300,
-                               record_steps=o.step_log)  # fmt: skip
-                self._write_steps(mode, c, res.pop("steps", None))
-                return res, {}
+    def _mode_cell(self, me: _ModeEngine, c: int, round_: int) -> tuple[dict, dict]:
+        """One level in one round, started cold: the engine's prefix cache reset and (but in `dram` mode) the
+        DRAM tier emptied, so every round of a cell finds what the first found (the disk tier)."""
+        o = self.o
+        assert me.eng is not None
+        self._reset(me.eng, me.mode, c)
+        if me.mode in CONNECTOR_MODES and me.mode != "dram":
+            me.eng.call("cool_dram")
+        tag = f"{me.mode}-c{c}" + (f"-r{round_}" if o.repeats > 1 else "")
+        res = me.eng.call("run", file=self.wfile, level=c, concurrency=c, tag=tag, timeout_s=o.cell_timeout_s,
+                          timeout=o.cell_timeout_s + 300, record_steps=o.step_log)  # fmt: skip
+        steps = res.pop("steps", None)
+        if round_ == 0:  # the step check replays one round per cell
+            self._write_steps(f"{me.mode}-c{c}", steps)
+        return res, {}
 
-            self._run_cells(mode, tps, "", cell)
-            if mode in BENCH_MODES and o.calibrate_modes:
-                self._calibrate_mode_engine(mode, eng)
+    def _close_mode(self, me: _ModeEngine, calibrate: bool = True) -> None:
+        try:
+            if me.eng is not None and calibrate and me.mode in BENCH_MODES and self.o.calibrate_modes:
+                self._calibrate_mode_engine(me.mode, me.eng)
         finally:
-            if eng is not None:
-                eng.close()
-            if server is not None:
-                server.kill()
-            _remove_pool(pool)
-            shutil.rmtree(disk, ignore_errors=True)
+            if me.eng is not None:
+                me.eng.close()
+            if me.server is not None:
+                me.server.kill()
+            _remove_pool(me.pool)
+            shutil.rmtree(me.disk, ignore_errors=True)
 
     def _calibrate_mode_engine(self, mode: str, eng: EngineProcess) -> None:
         """The populate engine's calibration once more, in this mode's engine after its cells: one engine's
@@ -548,13 +592,13 @@ class Bench:
             self.notes.append(f"{mode}: engine calibration failed: {str(err)[:500]}")
         self.p.update(f"{mode}: engine measured", CALIBRATE_EST_S)
 
-    def _write_steps(self, mode: str, c: int, steps: list[dict] | None) -> None:
-        """One JSON line per engine step of the cell (`--step-log`), beside results.json."""
+    def _write_steps(self, tag: str, steps: list[dict] | None) -> None:
+        """One JSON line per engine step of the cell (`--step-log`), beside results.json, as <tag>.jsonl."""
         if steps is None or self.o.out is None:
             return
         folder = Path(self.o.out) / "steps"
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{mode}-c{c}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+        (folder / f"{tag}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
 
     # -- the remote mode ------------------------------------------------------------------------------------------
     def _reset(self, eng: EngineProcess, mode: str, c: int) -> None:

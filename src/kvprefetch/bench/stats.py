@@ -101,6 +101,9 @@ def cell_metrics(result: dict[str, Any], chunk_tokens: int | None = None) -> dic
         "share_computed": share(computed),
         "bytes_disk_read": disk_read_bytes,
         "bytes_disk_written": disk_write_bytes,
+        # the most disk reads the engine's store ever had in flight at once (a peak over its life, not this
+        # cell's delta): 1 in ondemand-serial, up to io.threads elsewhere
+        "peak_disk_reads_in_flight": result.get("after", {}).get("peak_disk_reads_in_flight"),
         "bytes_remote_read": remote_read_bytes,
         "bytes_storage_read_proc": int(d.get("proc", {}).get("read_bytes", 0)),
         "bytes_storage_written_proc": int(d.get("proc", {}).get("write_bytes", 0)),

@@ -1,0 +1,75 @@
+"""Repeats: one row per (mode, concurrency) from the rounds that measured it, and paired comparisons.
+
+This machine is shared and a single cell moves by ±25% from run to run, so the bench measures every cell in
+``repeats`` rounds, the modes interleaved within each round (round 1 of every mode before round 2 of any),
+and reports:
+
+* per cell the **median** of the rounds, with the **min-max** of TTFT p50 and throughput beside it;
+* per comparison the **paired ratio**: prefetch / baseline in each round (both measured minutes apart, under
+  the same load on the machine), then the median and range of those ratios. A range that contains 1 is a
+  **tie**, whatever the median says: a difference inside the spread is not a gain.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+SPREAD_KEYS = ("ttft_p50_s", "ttft_p90_s", "itl_p50_s", "output_tok_s")
+"""The figures a row reports with their min-max over the rounds, and per round (``by_round``)."""
+
+
+def aggregate(runs: list[dict]) -> list[dict]:
+    """One row per (mode, concurrency) in first-run order: medians of the ok rounds' numbers, lists (samples)
+    concatenated, the rest from the first round. A cell no round measured keeps its first failure."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["mode"], r["concurrency"]), []).append(r)
+    return [_merge(rs) for rs in groups.values()]
+
+
+def _merge(rounds: list[dict]) -> dict:
+    ok = [r for r in rounds if r.get("status") == "ok"]
+    if not ok:
+        return dict(rounds[0]) | {"repeats": 0}
+    row: dict[str, Any] = {}
+    for key in dict.fromkeys(k for r in ok for k in r):
+        vals = [r[key] for r in ok if key in r and r[key] is not None]
+        if key == "round":
+            continue
+        if vals and all(isinstance(v, int | float) and not isinstance(v, bool) for v in vals):
+            row[key] = statistics.median(vals)
+        elif vals and all(isinstance(v, list) for v in vals):
+            row[key] = sorted(x for v in vals for x in v)
+        else:
+            row[key] = ok[0].get(key)
+    for key in SPREAD_KEYS:
+        vals = [r[key] for r in ok if r.get(key) is not None]
+        if vals:
+            row[f"{key}_min"], row[f"{key}_max"] = min(vals), max(vals)
+    row["by_round"] = {key: {r.get("round", 0): r.get(key) for r in ok} for key in SPREAD_KEYS}
+    row["repeats"] = len(ok)
+    if len(ok) < len(rounds):
+        row["failed_rounds"] = len(rounds) - len(ok)
+    return row
+
+
+def paired(a: dict, b: dict, key: str) -> dict | None:
+    """``a[key] / b[key]`` round by round (rounds both measured): median, min, max and the verdict."""
+    ra, rb = a.get("by_round", {}).get(key, {}), b.get("by_round", {}).get(key, {})
+    ratios = [ra[k] / rb[k] for k in ra if k in rb and ra[k] is not None and rb[k]]
+    if not ratios and a.get(key) is not None and b.get(key):  # a row without rounds: one ratio
+        ratios = [a[key] / b[key]]
+    if not ratios:
+        return None
+    lo, hi, mid = min(ratios), max(ratios), statistics.median(ratios)
+    return {"ratio": mid, "min": lo, "max": hi, "n": len(ratios), "verdict": verdict(lo, hi)}
+
+
+def verdict(lo: float, hi: float) -> str:
+    """'lower' / 'higher' when every round agrees; 'tie' when the rounds' ratios straddle 1."""
+    if hi < 1.0:
+        return "lower"
+    if lo > 1.0:
+        return "higher"
+    return "tie"
