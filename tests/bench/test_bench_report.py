@@ -197,3 +197,27 @@ def test_report_survives_an_empty_run(tmp_path):
     files = write_outputs(res, tmp_path)
     assert "report.md" in files
     assert "# kvprefetch bench" in (tmp_path / "report.md").read_text()
+
+
+def test_a_regime_sweep_is_reported_per_regime_with_where_prefetch_pays(tmp_path):
+    from kvprefetch.bench.report import pays_from, sweep_points
+    from kvprefetch.bench.rounds import aggregate
+
+    runs = []
+    for regime, sync_ttft in ((18.2, 2.0), (3.0, 1.2), ("native", 1.0)):  # prefetch 1.0 s throughout
+        for mode, ttft in (("ondemand-sync", sync_ttft), ("prefetch", 1.0), ("dram", 0.95)):
+            runs += [r | {"regime": regime} for r in _rounds(mode, 16, [ttft, ttft * 1.02], [10.0, 10.0])]
+    res = _results() | {"rows": aggregate(runs), "runs": runs,
+                        "regime": {"asked": 18.2, "measured": 17.0},
+                        "sweep": [{"asked": 3.0, "measured": 3.1}, {"asked": "native", "measured": 90.0}]}  # fmt: skip
+    points = sweep_points(res)
+    assert {(p["regime"], p["baseline"]) for p in points} == {(g, b) for g in (18.2, 3.0, "native")
+                                                              for b in ("ondemand-sync", "dram")}  # fmt: skip
+    # faster than ondemand-sync at R 3.1 and 17, a tie at R 90 (native: storage never waited): pays nowhere
+    # all the way up; drop the native point and it pays from 3.1
+    assert pays_from(points) is None
+    assert pays_from([p for p in points if p["regime"] != "native"]) == 3.1
+    md = markdown_report(res)
+    assert "### regime 3.0" in md and "## Regime sweep" in md and "| 3.0 | 3.1 | 16 | 0.83x | faster |" in md
+    files = write_outputs(res, tmp_path)
+    assert "regime_sweep.png" in files and (tmp_path / "regime_sweep.png").stat().st_size > 0

@@ -59,7 +59,9 @@ def register(app: typer.Typer) -> None:
             str,
             typer.Option(
                 help="R = recompute time / slowest-tier load time per chunk, enforced by a read throttle; "
-                "'native' for none. Default: the whitepaper's R2 (18.2, derived in report.md)."
+                "'native' for none. Default: the whitepaper's R2 (18.2, derived in report.md). A list (e.g. "
+                "18.2,3,1,native) sweeps: every regime on the same engines, the goals judged in the first, and "
+                "report.md plots prefetch against ondemand-sync and dram over R (regime_sweep.png)."
             ),
         ] = "18.2",
         workload: Annotated[
@@ -179,14 +181,14 @@ def register(app: typer.Typer) -> None:
             if turns is None:
                 turns = 4
         try:
-            r = parse_regime(regime)
+            first, *sweep = [parse_regime(x) for x in regime.split(",") if x.strip()] or [parse_regime("")]
         except ValueError as err:
             raise typer.BadParameter(str(err)) from None
         if workload not in ("context", "chat"):
             raise typer.BadParameter(f"--workload is 'context' or 'chat', got {workload!r}")
-        opts = BenchOptions(regime=r, model=model, engine_args=parse_engine_args(engine_arg or []), quick=quick,
-                            chunk_tokens=chunk_tokens, cache_dir=cache_dir, keep_cache=keep_cache, step_log=step_log,
-                            cell_timeout_s=cell_timeout, remote_backend=remote_backend,
+        opts = BenchOptions(regime=first, sweep=sweep, model=model, engine_args=parse_engine_args(engine_arg or []),
+                            quick=quick, chunk_tokens=chunk_tokens, cache_dir=cache_dir, keep_cache=keep_cache,
+                            step_log=step_log, cell_timeout_s=cell_timeout, remote_backend=remote_backend,
                             repeats=repeats or (1 if quick else 3))  # fmt: skip
         if workload == "chat" or no_reuse or trace is not None or scenario == "two-instance":
             opts.chat, opts.max_num_seqs = ChatBench(), None
@@ -234,7 +236,7 @@ def run_and_report(opts) -> dict:
 
     from kvprefetch.bench.client import EngineError
     from kvprefetch.bench.modes import known_failure
-    from kvprefetch.bench.report import TABLE_COLUMNS, rich_table, row_cells, write_outputs
+    from kvprefetch.bench.report import TABLE_COLUMNS, regimes_of, rich_table, row_cells, write_outputs
     from kvprefetch.bench.runner import Bench, simulator_prediction
 
     levels = ",".join(map(str, opts.concurrency))
@@ -287,7 +289,10 @@ def run_and_report(opts) -> dict:
     if reg.get("measured"):
         title += f", measured R = {reg['measured']:.1f}"
     wide = console if console.is_terminal and console.width >= 200 else Console(width=max(console.width, 210))
-    wide.print(rich_table(results["rows"], title=title))
+    regimes = regimes_of(results["rows"])
+    for g in regimes:
+        head = title if g == regimes[0] else f"kvprefetch bench: {results['workload']['name']}, sweep: regime {g}"
+        wide.print(rich_table([r for r in results["rows"] if r.get("regime") == g], title=head))
     for r in results["rows"]:
         if r.get("status") != "ok":
             console.print(f"[yellow]{r['mode']} @ {r['concurrency']}: {r.get('status')}: {r.get('reason')}[/yellow]")

@@ -93,11 +93,17 @@ def _ok(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r.get("status") == "ok"]
 
 
-def _find(rows: list[dict], mode: str, c: int) -> dict | None:
+def _find(rows: list[dict], mode: str, c: int, regime: Any = None) -> dict | None:
     for r in rows:
-        if r.get("mode") == mode and r.get("concurrency") == c and r.get("status") == "ok":
+        if (r.get("mode") == mode and r.get("concurrency") == c and r.get("status") == "ok"
+                and (regime is None or r.get("regime") == regime)):  # fmt: skip
             return r
     return None
+
+
+def regimes_of(rows: list[dict]) -> list[Any]:
+    """The regimes a run measured, in the order it ran them (the first is the run's own)."""
+    return list(dict.fromkeys(r.get("regime") for r in rows))
 
 
 BASELINES = ("ondemand-serial", "ondemand-sync", "ondemand", "dram", "recompute", "vllm-example", "lmcache")
@@ -108,16 +114,17 @@ def comparisons(rows: list[dict]) -> list[dict]:
     TTFT p50 and throughput change (median of the rounds' ratios, with their range and verdict), speed-up."""
     out = []
     levels = sorted({r["concurrency"] for r in _ok(rows)})
-    for c in levels:
-        p = _find(rows, "prefetch", c)
+    for regime, c in ((g, c) for g in regimes_of(rows) for c in levels):
+        p = _find(rows, "prefetch", c, regime)
         if p is None:
             continue
         for base in BASELINES:
-            b = _find(rows, base, c)
+            b = _find(rows, base, c, regime)
             if b is None:
                 continue
             ttft, thr = paired(p, b, "ttft_p50_s"), paired(p, b, "output_tok_s")
             out.append({
+                "regime": regime,
                 "concurrency": c,
                 "baseline": base,
                 "ttft_p50_change": None if ttft is None else ttft["ratio"] - 1.0,
@@ -135,8 +142,10 @@ def comparisons(rows: list[dict]) -> list[dict]:
 
 def goals(comp: list[dict]) -> list[dict]:
     """The issue's targets against this run's paired medians: (goal, measured, met). A target is judged only
-    where the run measured it; a tie never counts as a gain."""
-    by = {(x["baseline"], x["concurrency"]): x for x in comp}
+    where the run measured it, in the run's own regime (the first; a sweep's others are reported beside); a tie
+    never counts as a gain."""
+    first = comp[0].get("regime") if comp else None
+    by = {(x["baseline"], x["concurrency"]): x for x in comp if x.get("regime") == first}
     out = []
 
     def add(goal: str, keys: list[tuple[str, int]], value, test) -> None:
@@ -164,6 +173,40 @@ def goals(comp: list[dict]) -> list[dict]:
         [(b, c) for b in ("ondemand", "ondemand-sync") for c in sorted({c for _, c in by})],
         lambda x: x["ttft_verdict"], lambda x: x["ttft_verdict"] != "slower")  # fmt: skip
     return out
+
+
+def sweep_points(results: dict) -> list[dict]:
+    """Per further regime of a sweep (and the run's own): measured R, and per concurrency prefetch's paired TTFT
+    ratio to ondemand-sync and to dram with their verdicts."""
+    comp = comparisons(results.get("rows", []))
+    reg = results.get("regime", {})
+    measured = {reg.get("asked"): reg.get("measured")} | {x["asked"]: x.get("measured")
+                                                          for x in results.get("sweep", [])}  # fmt: skip
+    out = []
+    for x in comp:
+        if x["baseline"] in ("ondemand-sync", "dram") and x.get("regime") in measured:
+            out.append({"regime": x["regime"], "r": measured[x["regime"]], "concurrency": x["concurrency"],
+                        "baseline": x["baseline"], "ratio": 1 + x["ttft_p50_change"],
+                        "verdict": x["ttft_verdict"]})  # fmt: skip
+    return out
+
+
+def pays_from(points: list[dict]) -> float | None:
+    """The smallest measured R from which prefetch is faster than ondemand-sync at every queued level (c >= 8,
+    or every level if none queue) in every regime at or above it; None if it never is."""
+    sync = [p for p in points if p["baseline"] == "ondemand-sync" and p["r"] is not None]
+    levels = {p["concurrency"] for p in sync}
+    queued = {c for c in levels if c >= 8} or levels
+    by_r: dict[float, bool] = {}
+    for p in sync:
+        if p["concurrency"] in queued:
+            by_r[p["r"]] = by_r.get(p["r"], True) and p["verdict"] == "faster"
+    best = None
+    for r in sorted(by_r, reverse=True):
+        if not by_r[r]:
+            break
+        best = r
+    return best
 
 
 def _pct(x: float | None) -> str:
@@ -219,7 +262,11 @@ def markdown_report(results: dict) -> str:
         lines.append(f"- **Measured regime R = {reg.get('measured') or 0:.1f}** "
                      f"(reads at {reg['read_bps'] / 1e6:,.1f} MB/s).")  # fmt: skip
     lines += ["", "## Results", ""]
-    lines += markdown_table(rows)
+    regimes = regimes_of(rows)
+    for g in regimes:
+        if len(regimes) > 1:
+            lines += ["", f"### regime {g}" + (" (the run's own)" if g == regimes[0] else ""), ""]
+        lines += markdown_table([r for r in rows if r.get("regime") == g])
     lines += ["", "Shares are of prompt tokens: engine = vLLM's own prefix cache, dram/disk = loaded by the "
               "connector (disk: chunks read from disk during the cell), the rest is computed. `pf ok` / `late`: "
               "requests whose prefetch had / had not finished when the scheduler reached them; `wasted`: prefetch "
@@ -234,7 +281,10 @@ def markdown_report(results: dict) -> str:
                      "range; a range that contains 0% is a tie.")  # fmt: skip
         lines += ["", "| conc | baseline | TTFT p50 | range | verdict | throughput | range | TTFT speed-up | "
                   "whitepaper |", "|---:|---|---:|---:|---|---:|---:|---:|---|"]  # fmt: skip
+        several = len({x.get("regime") for x in comp}) > 1
         for x in comp:
+            if several and x.get("regime") != comp[0].get("regime"):
+                continue  # a sweep's other regimes: in the sweep section
             paper = ""
             if x["baseline"] in ("ondemand-serial", "ondemand-sync", "ondemand"):
                 paper = f"{WHITEPAPER['ttft_vs_no_prefetch']}; {WHITEPAPER['throughput_vs_no_prefetch']}"
@@ -246,6 +296,9 @@ def markdown_report(results: dict) -> str:
                          f"{_pct(x['throughput_change'])} | {_pct_range(x['throughput_change_range'])} | {speed} | "
                          f"{paper} |")  # fmt: skip
         lines.append("")
+        points = sweep_points(results)
+        if len({x["regime"] for x in points}) > 1:
+            lines += _sweep_lines(points)
         g = goals(comp)
         if g:
             lines += ["## Goals (issue 19), on this run's paired medians", "", "| goal | measured | met |",
@@ -275,6 +328,24 @@ def markdown_report(results: dict) -> str:
     lines += ["## Plots", "", "![TTFT p50](ttft_p50.png)", "![throughput](throughput.png)",
               "![TTFT CDF](ttft_cdf.png)", ""]  # fmt: skip
     return "\n".join(lines)
+
+
+def _sweep_lines(points: list[dict]) -> list[str]:
+    lines = ["## Regime sweep: prefetch's TTFT p50 relative to ondemand-sync and to dram, against R", "",
+             "| regime | measured R | conc | / ondemand-sync | verdict | / dram | verdict |",
+             "|---|---:|---:|---:|---|---:|---|"]  # fmt: skip
+    keyed = {(p["regime"], p["concurrency"], p["baseline"]): p for p in points}
+    for regime, c in dict.fromkeys((p["regime"], p["concurrency"]) for p in points):
+        sync, dram = keyed.get((regime, c, "ondemand-sync")), keyed.get((regime, c, "dram"))
+        r = next(p["r"] for p in points if p["regime"] == regime)
+        cells = [f"{x['ratio']:.2f}x | {x['verdict']}" if x else "- | -" for x in (sync, dram)]
+        lines.append(f"| {regime} | {_num(r, 1, '.1f')} | {c} | {cells[0]} | {cells[1]} |")
+    r = pays_from(points)
+    verdict = (f"Prefetch pays (faster than ondemand-sync at every queued level, in every regime from there up) "
+               f"from R = {r:.1f}." if r is not None else "Prefetch is not faster than ondemand-sync at every "
+               "queued level in the sweep's largest R, so it pays from no R on up.")  # fmt: skip
+    lines += ["", verdict, "", "![regime sweep](regime_sweep.png)", ""]
+    return lines
 
 
 def _replay_vs_vllm(prediction: dict, key: str) -> str:
@@ -328,6 +399,7 @@ def plots(results: dict, out: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     rows = _ok(results.get("rows", []))
+    rows = [r for r in rows if r.get("regime") == (regimes_of(rows) or [None])[0]]  # a sweep: the run's own
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     written = []
     for key, name, ylabel, title in (
@@ -371,7 +443,31 @@ def plots(results: dict, out: Path) -> list[str]:
     fig.savefig(out / "ttft_cdf.png", dpi=120)
     plt.close(fig)
     written.append("ttft_cdf.png")
+    points = [p for p in sweep_points(results) if p["r"] is not None]
+    if len({p["regime"] for p in points}) > 1:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for (base, c), pts in _series(points).items():
+            ax.plot([p["r"] for p in pts], [p["ratio"] for p in pts], marker="o" if base == "ondemand-sync" else "s",
+                    linestyle="-" if base == "ondemand-sync" else "--", label=f"/ {base}, c={c}")  # fmt: skip
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("R (recompute time / load time per chunk), measured")
+        ax.set_ylabel("prefetch TTFT p50 / baseline's")
+        ax.set_title("Regime sweep: where prefetch pays")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "regime_sweep.png", dpi=120)
+        plt.close(fig)
+        written.append("regime_sweep.png")
     return written
+
+
+def _series(points: list[dict]) -> dict[tuple[str, int], list[dict]]:
+    series: dict[tuple[str, int], list[dict]] = {}
+    for p in sorted(points, key=lambda p: p["r"]):
+        series.setdefault((p["baseline"], p["concurrency"]), []).append(p)
+    return series
 
 
 def _regime_label(results: dict) -> str:

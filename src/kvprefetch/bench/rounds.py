@@ -16,15 +16,16 @@ import statistics
 from typing import Any
 
 SPREAD_KEYS = ("ttft_p50_s", "ttft_p90_s", "itl_p50_s", "output_tok_s")
+IDENTITY_KEYS = ("mode", "concurrency", "regime", "workload", "status")  # what a cell is, not what it measured
 """The figures a row reports with their min-max over the rounds, and per round (``by_round``)."""
 
 
 def aggregate(runs: list[dict]) -> list[dict]:
-    """One row per (mode, concurrency) in first-run order: medians of the ok rounds' numbers, lists (samples)
-    concatenated, the rest from the first round. A cell no round measured keeps its first failure."""
-    groups: dict[tuple[str, int], list[dict]] = {}
+    """One row per (regime, mode, concurrency) in first-run order: medians of the ok rounds' numbers, lists
+    (samples) concatenated, the rest from the first round. A cell no round measured keeps its first failure."""
+    groups: dict[tuple[Any, str, int], list[dict]] = {}
     for r in runs:
-        groups.setdefault((r["mode"], r["concurrency"]), []).append(r)
+        groups.setdefault((r.get("regime"), r["mode"], r["concurrency"]), []).append(r)
     return [_merge(rs) for rs in groups.values()]
 
 
@@ -37,7 +38,11 @@ def _merge(rounds: list[dict]) -> dict:
         vals = [r[key] for r in ok if key in r and r[key] is not None]
         if key == "round":
             continue
-        if vals and all(isinstance(v, int | float) and not isinstance(v, bool) for v in vals):
+        if key in IDENTITY_KEYS:
+            row[key] = ok[0].get(key)
+        elif vals and all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
+            row[key] = statistics.median_low(vals)  # a count stays a count
+        elif vals and all(isinstance(v, int | float) and not isinstance(v, bool) for v in vals):
             row[key] = statistics.median(vals)
         elif vals and all(isinstance(v, list) for v in vals):
             row[key] = sorted(x for v in vals for x in v)

@@ -74,7 +74,8 @@ CALIBRATE_EST_S = 15.0  # one engine's calibration (engine_proc.calibrate), for 
 class BenchOptions:
     modes: list[str] = field(default_factory=lambda: list(DEFAULT_MODES))
     concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
-    regime: float | None = DEFAULT_REGIME
+    regime: float | None = DEFAULT_REGIME  # the run's regime (None: native); the goals are judged in it
+    sweep: list[float | None] = field(default_factory=list)  # further regimes, each measured as the first
     model: str | None = None
     engine_args: dict[str, Any] = field(default_factory=dict)
     out: Path | None = None
@@ -261,6 +262,9 @@ class Bench:
         self.log = log or (lambda msg: None)
         self.run_id = uuid.uuid4().hex[:8]
         self.runs: list[dict] = []  # every cell of every round, in the order run
+        self.regime_label: float | str = opts.regime if opts.regime is not None else "native"  # of the cells now
+        self.sweep: list[tuple[float | str, int | None]] = []  # further regimes: (label, read throttle bps)
+        self.sweep_info: list[dict] = []  # each further regime as its probe measured it
         self.notes: list[str] = []
         self.engine_block_tokens: int | None = None  # vLLM's KV block size, from the populate engine
         self.calibrate_args: dict[str, int] = {}
@@ -322,11 +326,12 @@ class Bench:
         self.p.plan(25 + 15 + w.prelude_tokens() / est_tps + 20)
         for m in running:
             calibrate = CALIBRATE_EST_S if m in BENCH_MODES and o.calibrate_modes else 0.0
-            rounds = 1 if m in TWO_INSTANCE_MODES else o.repeats
+            rounds = 1 if m in TWO_INSTANCE_MODES else o.repeats * (1 + len(o.sweep))
             self.p.plan(25 * (2 if m in TWO_INSTANCE_MODES else 1) + calibrate
                         + rounds * sum(self._cell_estimate(m, c, est_tps) for c in o.concurrency))  # fmt: skip
 
-        throttle, why = (None, "regime native") if o.regime is None else make_throttle(self.work, f"kvb-{self.run_id}")
+        throttled = any(r is not None for r in (o.regime, *o.sweep))
+        throttle, why = make_throttle(self.work, f"kvb-{self.run_id}") if throttled else (None, "regime native")
         regime: dict[str, Any] = {"asked": o.regime if o.regime is not None else "native",
                                   "whitepaper_r2": whitepaper_r2().sentence()}  # fmt: skip
         try:
@@ -395,6 +400,7 @@ class Bench:
                     regime |= {"enforced_by": "none", "read_bps": native["bps"], "measured": regime["native_regime"]}
                 self.sizing.prefill_tps_prior = tps
                 self.sizing.disk_bps_prior = regime.get("read_bps")
+                self.sweep = self._probe_sweep(eng, throttle, tps, geo_chunk_bytes, native, regime)
                 self.p.update("populated", 20)
             finally:
                 eng.close()
@@ -414,10 +420,16 @@ class Bench:
                 for m in running:
                     if m not in TWO_INSTANCE_MODES and (me := self._open_mode(m, populated, throttle, tps)):
                         opened[m] = me
-                for k in range(o.repeats):
-                    for m, me in opened.items():
-                        where = f" (round {k + 1} of {o.repeats})" if o.repeats > 1 else ""
-                        self._run_cells(m, tps, where, lambda c, me=me, k=k: self._mode_cell(me, c, k), round_=k)
+                for label, bps in [(regime["asked"], regime.get("target_read_bps")), *self.sweep]:
+                    self.regime_label = label
+                    if throttle is not None:
+                        throttle.set(bps)
+                    for k in range(o.repeats):
+                        for m, me in opened.items():
+                            where = f" (round {k + 1} of {o.repeats})" if o.repeats > 1 else ""
+                            if self.sweep:
+                                where += f", regime {label}"
+                            self._run_cells(m, tps, where, lambda c, me=me, k=k: self._mode_cell(me, c, k), k)
             finally:
                 for me in opened.values():
                     self._close_mode(me)
@@ -460,6 +472,7 @@ class Bench:
                 "largest_level_prompt_tokens": max(w.prompt_tokens(c) for c in o.concurrency),
             },
             "regime": regime,
+            "sweep": self.sweep_info,
             "populate": populate_info,
             "mode_calibrations": self.mode_calibrations,
             "modes": {m: {"description": MODES[m], "available": avail[m][0], "reason": avail[m][1]} for m in modes},
@@ -470,6 +483,29 @@ class Bench:
         if not o.keep_cache:
             shutil.rmtree(self.work, ignore_errors=True)
         return results
+
+    def _probe_sweep(self, eng: EngineProcess, throttle, tps: float, chunk_bytes: int, native: dict,
+                     regime: dict) -> list[tuple[float | str, int | None]]:  # fmt: skip
+        """The further regimes of a sweep, each set on the kernel throttle and measured with the populating
+        engine's cold reads; the throttle is then set back to the run's regime. A sweep needs the kernel
+        throttle: the I/O engine's own cap is fixed when an engine starts."""
+        out = []
+        for r in self.o.sweep:
+            label = r if r is not None else "native"
+            if r is not None and throttle is None:
+                self.notes.append(f"regime {label} left out of the sweep: no kernel read throttle here")
+                continue
+            bps = None if r is None else target_bps(r, chunk_bytes / self.o.chunk_tokens, tps)
+            if throttle is not None:
+                throttle.set(bps)
+            probe = native if r is None else eng.call("disk_bandwidth", max_chunks=256, seconds=8.0)
+            measured = measured_regime(tps, self.o.chunk_tokens, chunk_bytes, probe["bps"]) if probe["bps"] else None
+            self.sweep_info.append({"asked": label, "target_read_bps": bps, "read_bps": probe["bps"],
+                                    "measured": measured})  # fmt: skip
+            out.append((label, bps))
+        if throttle is not None:
+            throttle.set(regime.get("target_read_bps"))
+        return out
 
     def _cell_estimate(self, mode: str, c: int, tps: float) -> float:
         tokens = self.workload.prompt_tokens(c)
@@ -504,7 +540,7 @@ class Bench:
 
     def _add_row(self, row: dict) -> None:
         """One run of a cell (a round); `results["rows"]` are their aggregates (`kvprefetch.bench.rounds`)."""
-        row = {"workload": self.workload.name, "regime": self.o.regime if self.o.regime is not None else "native"} | row
+        row = {"workload": self.workload.name, "regime": self.regime_label} | row
         self.runs.append(row)
         self.on_row(row)
 
