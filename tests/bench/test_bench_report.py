@@ -106,8 +106,8 @@ def test_markdown_report_has_tables_regime_whitepaper_and_missing_modes():
     assert "| prefetch | 8 | 10 | 2.000 |" in md
     assert "Measured regime R = 10.7" in md and "cgroup-v1-blkio" in md
     assert "-26% to -32%" in md and "8.6x to 20x" in md
-    assert "| 8 | ondemand-sync | -50% | - | faster | +50% | - | 2.00x |" in md
-    assert "| 8 | recompute | -88% | - | faster | +200% | - | 8.00x |" in md
+    assert "| 8 | ondemand-sync | -50% | - | one round | +50% | - | 2.00x |" in md
+    assert "| 8 | recompute | -88% | - | one round | +200% | - | 8.00x |" in md
     assert "| TTFT p50 <= 1.10x dram (c>=8) | c=8 1.25x | **no** |" in md
     assert "`lmcache`: unavailable: needs CUDA" in md
     assert "| prefetch | 8 | 2.100 | 2.000 | 5930 / 5800 | 43520 / 44420 |" in md

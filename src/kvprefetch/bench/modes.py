@@ -45,6 +45,7 @@ def known_failure(mode: str, reason: str | None) -> str | None:
 
 
 TWO_INSTANCE_MODES = ("shared-2x", "private-2x")
+PEER_MODES = ("vllm-example", "lmcache")  # other projects' connectors, each with a store of its own
 REMOTE_MODES = ("prefetch-remote",)
 
 CONNECTOR_MODES = ("ondemand", "ondemand-sync", "ondemand-serial", "prefetch", "dram")

@@ -106,6 +106,7 @@ def regimes_of(rows: list[dict]) -> list[Any]:
     return list(dict.fromkeys(r.get("regime") for r in rows))
 
 
+SPEED = {"lower": "faster", "higher": "slower"}  # a TTFT ratio's verdict, said of prefetch
 BASELINES = ("ondemand-serial", "ondemand-sync", "ondemand", "dram", "recompute", "vllm-example", "lmcache")
 
 
@@ -129,8 +130,7 @@ def comparisons(rows: list[dict]) -> list[dict]:
                 "baseline": base,
                 "ttft_p50_change": None if ttft is None else ttft["ratio"] - 1.0,
                 "ttft_p50_change_range": None if ttft is None else (ttft["min"] - 1.0, ttft["max"] - 1.0),
-                "ttft_verdict": None if ttft is None else {"lower": "faster", "higher": "slower"}.get(
-                    ttft["verdict"], "tie"),
+                "ttft_verdict": None if ttft is None else SPEED.get(ttft["verdict"], ttft["verdict"]),
                 "throughput_change": None if thr is None else thr["ratio"] - 1.0,
                 "throughput_change_range": None if thr is None else (thr["min"] - 1.0, thr["max"] - 1.0),
                 "throughput_verdict": None if thr is None else thr["verdict"],

@@ -68,11 +68,14 @@ def paired(a: dict, b: dict, key: str) -> dict | None:
     if not ratios:
         return None
     lo, hi, mid = min(ratios), max(ratios), statistics.median(ratios)
-    return {"ratio": mid, "min": lo, "max": hi, "n": len(ratios), "verdict": verdict(lo, hi)}
+    return {"ratio": mid, "min": lo, "max": hi, "n": len(ratios), "verdict": verdict(lo, hi, len(ratios))}
 
 
-def verdict(lo: float, hi: float) -> str:
-    """'lower' / 'higher' when every round agrees; 'tie' when the rounds' ratios straddle 1."""
+def verdict(lo: float, hi: float, rounds: int = 2) -> str:
+    """'lower' / 'higher' when every round agrees; 'tie' when the rounds' ratios straddle 1; 'one round' when
+    there is no spread to judge by (`--repeats 1`, e.g. `--quick`): never a gain."""
+    if rounds < 2:
+        return "one round"
     if hi < 1.0:
         return "lower"
     if lo > 1.0:

@@ -34,6 +34,7 @@ from kvprefetch.bench.client import EngineError, EngineProcess
 from kvprefetch.bench.modes import (
     CONNECTOR_MODES,
     MODES,
+    PEER_MODES,
     REMOTE_MODES,
     TWO_INSTANCE_MODES,
     StoreSizing,
@@ -582,8 +583,8 @@ class Bench:
             pre = me.eng.call("preload_dram")
             self.notes.append(f"dram: {pre['in_dram']} of {pre['chunks']} chunks in DRAM before the run "
                               f"({pre['seconds']:.1f}s)")  # fmt: skip
-        if mode == "lmcache":
-            self.p.update("lmcache: running the prelude in its own store")
+        if mode in PEER_MODES:  # a peer's connector keeps its own store: it runs the prelude into it
+            self.p.update(f"{mode}: running the prelude in its own store")
             me.eng.call("run", file=self.wfile, level="prelude", concurrency=max(o.concurrency), tag="prelude",
                         timeout_s=o.cell_timeout_s)  # fmt: skip
         return me
