@@ -23,6 +23,8 @@ def test_two_instance_and_remote_end_to_end(tmp_path):
         modes=modes,
         concurrency=[2],
         regime=None,
+        repeats=1,
+        max_num_seqs=None,
         chat=ChatBench(
             system_tokens=256,
             history_tokens=768,
