@@ -24,6 +24,7 @@ from enum import StrEnum
 import numpy as np
 
 from kvprefetch.config import StoreConfig
+from kvprefetch.crashpoints import crash_point
 from kvprefetch.io.engine import IOClass, IOEngine, IOTicket
 from kvprefetch.tiers.chunk_format import HEADER_BYTES, CorruptChunk, image_bytes, write_header
 from kvprefetch.tiers.disk import ChunkMissing, DiskTier, aligned_buffer
@@ -202,6 +203,7 @@ class TieredStore:
             else:
                 assert self.remote is not None
                 self.remote.read_into(key, self.dram.image(slot))
+            crash_point("store.promote.read")
         except (ChunkMissing, CorruptChunk, OSError) as err:  # RemoteUnavailable is a ConnectionError
             self.dram.abort(slot)
             self._load_failed(key, err)
@@ -439,7 +441,9 @@ class TieredStore:
             if slot is not None:
                 image = self.dram.image(slot)
                 image[HEADER_BYTES : HEADER_BYTES + len(src)] = src
+                crash_point("store.put.payload_copied")
                 write_header(image, key, len(src))
+                crash_point("store.put.header_written")
                 if self.disk is not None:
                     self.dram.pin_slot(slot)  # held until written back, so eviction cannot lose it
                 self.dram.commit(slot)
@@ -460,6 +464,7 @@ class TieredStore:
                 self.dram.pin_slot(slot)
                 self._remote_written.add(key)
                 tickets.append(self._submit_remote_write(key, slot))
+        crash_point("store.put.queued")
         _gather(tickets, done)
         return done
 
@@ -472,6 +477,7 @@ class TieredStore:
                 if disk.contains(key):
                     return False
                 disk.write(key, image)
+                crash_point("store.writeback.written")
                 return True
             except OSError:
                 self.counters["writeback_errors"] += 1
@@ -489,7 +495,9 @@ class TieredStore:
 
         def write() -> bool:
             try:
+                crash_point("store.remote_write.sending")
                 remote.write(key, self.dram.image(slot)[: self.image_bytes])
+                crash_point("store.remote_write.acked")
                 self.counters["remote_writes"] += 1
                 return True
             except (ConnectionError, RemoteRejected):

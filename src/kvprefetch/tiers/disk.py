@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvprefetch.crashpoints import crash_point
 from kvprefetch.tiers.chunk_format import (
     ALIGN,
     HEADER_BYTES,
@@ -111,6 +112,7 @@ class DiskTier:
                     writer = int(m.group(2))
                     if writer != os.getpid() and not pid_alive(writer):
                         self._remove(Path(entry.path), "temp_removed", "left by a writer that died")
+                        crash_point("disk.recover.temp_removed")
                 else:
                     self._foreign(Path(entry.path))
         found.sort()
@@ -254,11 +256,14 @@ class DiskTier:
                 done = 0
                 while done < size:
                     done += os.pwritev(fd, [image[done:]], done)
+                crash_point("disk.write.temp_written")
                 if self.fsync:
                     os.fdatasync(fd)
+                crash_point("disk.write.temp_synced")
             finally:
                 os.close(fd)
             os.rename(temp, final)
+            crash_point("disk.write.renamed")
             if self.fsync:
                 _fsync_dir(final.parent)
         except OSError as err:
@@ -281,6 +286,7 @@ class DiskTier:
                     return
                 key, size = self._index.popitem(last=False)
                 self.used_bytes -= size
+            crash_point("disk.evict.unindexed")
             with contextlib.suppress(FileNotFoundError):
                 self.path_of(key).unlink()
             self.counters["evicted"] += 1

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvprefetch.crashpoints import crash_point
 from kvprefetch.tiers.chunk_format import ALIGN, HEADER_BYTES, align_up
 
 POOL_MAGIC = b"KVPFPOOL"
@@ -140,6 +141,7 @@ class SharedChunkPool:
             )
         self.name = name
         self.evictions = 0
+        self.wait_timeouts = 0  # reads that gave up waiting on a WRITING slot: a writer that neither commits nor dies
         self.path = Path(directory) / f"kvprefetch-{name}.pool"
         self._tlock = threading.RLock()
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -255,6 +257,7 @@ class SharedChunkPool:
             if pid != os.getpid() and not pid_alive(pid):
                 writing = np.flatnonzero((self.pins[row] > 0) & (self.slots["state"] == WRITING))
                 self.slots["state"][writing] = FREE  # a dead writer's half-written slot is garbage
+                crash_point("dram.reap.writing_freed")
                 self.pins[row, :] = 0
                 self.procs[row] = 0
                 reaped += 1
@@ -284,6 +287,7 @@ class SharedChunkPool:
         while self._find(key, WRITING) is not None:
             now = time.monotonic()
             if now > start + timeout:
+                self.wait_timeouts += 1
                 return False
             if now > next_reap:  # the writer may have died mid-write
                 self.reap_dead()
@@ -316,9 +320,12 @@ class SharedChunkPool:
             entry = self.slots[slot]
             entry["key0"] = int.from_bytes(key[:8], "little")
             entry["key"] = np.frombuffer(key, dtype="V32")[0]
+            crash_point("dram.allocate.key_published")
             entry["state"] = WRITING
+            crash_point("dram.allocate.writing")
             entry["nbytes"] = payload_nbytes
             self.pins[self._row, slot] += 1
+            crash_point("dram.allocate.pinned")
             return slot
 
     def _free_or_victim(self) -> int | None:
@@ -339,6 +346,7 @@ class SharedChunkPool:
         with self._locked():
             self.slots["tick"][slot] = self._next_tick()
             self.slots["state"][slot] = READY
+            crash_point("dram.commit.ready")
             self.pins[self._row, slot] -= 1
 
     def abort(self, slot: int) -> None:
@@ -354,6 +362,7 @@ class SharedChunkPool:
             if slot is None:
                 return None
             self.pins[self._row, slot] += 1
+            crash_point("dram.acquire.pinned")
             self.slots["tick"][slot] = self._next_tick()
             return slot
 
@@ -412,6 +421,7 @@ class SharedChunkPool:
             "capacity_bytes": self.geometry.n_slots * self.geometry.slot_bytes,
             "processes": int((self.procs != 0).sum()),
             "evictions_here": self.evictions,
+            "wait_timeouts_here": self.wait_timeouts,
             "hugepages_advised": self.hugepages_advised,
         }
 
