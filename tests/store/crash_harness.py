@@ -99,7 +99,8 @@ def restart_and_resave(disk: Path, pool: str, keys: list[bytes], tally: Tally, d
     hold them all); nothing is stuck afterwards."""
     store = TieredStore(config(str(disk), pool, disk_capacity), chunk_bytes=CHUNK)
     try:
-        for key in keys:
+        in_dram = [k for k in keys if store.dram.contains(k)]  # first, before promotions evict what the dead left
+        for key in in_dram + [k for k in keys if k not in in_dram]:
             if (ok := read_one(store, key)) is not None:
                 tally.served += 1
                 if not ok:
