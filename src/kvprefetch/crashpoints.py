@@ -26,7 +26,7 @@ POINTS: dict[str, str] = {
     "dram.allocate.key_published": "the new key is on the WRITING slot; no payload yet",
     "dram.commit.ready": "the slot is READY, the writer's pin not yet dropped",
     "dram.acquire.pinned": "a reader's pin is on a READY slot (a reader killed mid-copy leaks it)",
-    "dram.reap.writing_freed": "the reaper freed a dead process's WRITING slots, its pins and row not yet cleared",
+    "dram.reap.rows_cleared": "the reaper cleared dead processes' pins and rows; their WRITING slots not yet freed",
     # store (store.py)
     "store.put.payload_copied": "the payload is in the WRITING slot, the header not yet written",
     "store.put.header_written": "the slot image is whole, not yet committed",

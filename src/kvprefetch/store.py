@@ -150,6 +150,7 @@ class TieredStore:
             "dram_full": 0,
             "put_chunks": 0,
             "put_skipped_present": 0,
+            "put_present_not_durable": 0,
             "writeback_errors": 0,
             "remote_hits": 0,
             "remote_writes": 0,
@@ -358,7 +359,13 @@ class TieredStore:
     def _copy_out(self, key: bytes, slot: int, dst: memoryview, tier: Tier) -> bool:
         """Copy a pinned slot's payload to dst and release the pin."""
         try:
-            payload = self.dram.payload(slot)
+            payload = self.dram.payload(slot, key)
+        except CorruptChunk as err:  # a miss, and the slot is dropped (unless another reader pins it still)
+            self.dram.release(slot)
+            self._load_failed(key, err)
+            self.dram.discard(key)
+            return False
+        try:
             if len(payload) != len(dst):
                 self._load_failed(key, CorruptChunk(f"chunk of {len(payload)} B into a {len(dst)} B buffer"))
                 return False
@@ -412,12 +419,17 @@ class TieredStore:
         """
         slots: list[int] = []
         try:
+            views: list[memoryview] = []
             for key in keys:
                 slot = self.dram.acquire(key)
                 if slot is None:
                     break
                 slots.append(slot)
-            views = [self.dram.payload(slot).toreadonly() for slot in slots]
+                try:
+                    views.append(self.dram.payload(slot, key).toreadonly())
+                except CorruptChunk as err:  # a miss ends the prefix (the next get_into drops the slot)
+                    self._load_failed(key, err)
+                    break
             self.counters["dram_hits"] += len(views)
             yield views
         finally:
@@ -430,6 +442,11 @@ class TieredStore:
 
         The returned future resolves (to the number of chunks written to disk) once every chunk is durable;
         its exception is the first write-back error, e.g. DiskFullError, while DRAM keeps serving the chunks.
+        Durable means on disk: a key already in the shared DRAM pool is not, since the process that put it
+        there may have died before its write-back, or be writing it still. Such a key is written back from a
+        private copy of the caller's bytes (a write-back finding the file already committed by another
+        process skips it), so the future never acknowledges a chunk that only DRAM holds. With no disk tier,
+        DRAM is as durable as the store gets and a key present there is skipped.
         """
         done: Future = Future()
         tickets: list[IOTicket] = []
@@ -447,11 +464,12 @@ class TieredStore:
                 if self.disk is not None:
                     self.dram.pin_slot(slot)  # held until written back, so eviction cannot lose it
                 self.dram.commit(slot)
-            elif self.dram.contains(key):
+            elif self._durable(key):
                 self.counters["put_skipped_present"] += 1
                 continue
-            else:  # every DRAM slot is pinned: go straight to disk from a private copy
-                self.counters["dram_full"] += 1
+            else:  # in DRAM only (not durable), being written, or every slot is pinned: to disk from a copy
+                present = self.dram.contains(key) or self.dram.writing(key)
+                self.counters["put_present_not_durable" if present else "dram_full"] += 1
                 if self.disk is None:
                     continue
                 image = aligned_buffer(self.image_bytes)
@@ -467,6 +485,10 @@ class TieredStore:
         crash_point("store.put.queued")
         _gather(tickets, done)
         return done
+
+    def _durable(self, key: bytes) -> bool:
+        """Whether key survives this node's processes dying: on disk, or in DRAM when there is no disk tier."""
+        return self.disk.contains(key) if self.disk is not None else self.dram.contains(key)
 
     def _submit_writeback(self, key: bytes, image: memoryview, slot: int | None) -> IOTicket:
         assert self.disk is not None

@@ -26,11 +26,11 @@ from .crash_harness import Tally, check_disk_after_restart, remove_pool, restart
 # nth arrival: 1 = the first put, into a free slot; 9 = the second put, over an evicted slot;
 # 13 = the reads, promoting evicted chunks back from disk into evicted slots
 SLOT_STEPS = ["dram.allocate.pinned", "dram.allocate.writing", "dram.allocate.key_published", "dram.commit.ready"]
+PUT_STEPS = ["store.put.payload_copied", "store.put.header_written"]
 SMALL_DISK = 6 * image_bytes(CHUNK)  # holds half the script's keys: its writes evict
 CASES: list[tuple[tuple[str, ...], int]] = [
     *[((f"{step}:{nth}",), 1 << 30) for step in SLOT_STEPS for nth in (1, 9, 13)],
-    *[((f"{step}:{nth}",), 1 << 30) for step in ("store.put.payload_copied", "store.put.header_written")
-      for nth in (1, 9)],  # fmt: skip
+    *[((f"{step}:{nth}",), 1 << 30) for step in PUT_STEPS for nth in (1, 9)],
     (("store.put.queued:1",), 1 << 30),
     (("store.put.queued:2",), 1 << 30),
     (("store.writeback.written:1",), 1 << 30),
@@ -41,7 +41,7 @@ CASES: list[tuple[tuple[str, ...], int]] = [
     (("dram.acquire.pinned:1",), 1 << 30),
     (("disk.recover.temp_removed:1",), 1 << 30),
     # a dead writer leaves a WRITING slot; the next process dies while reaping it
-    (("dram.allocate.key_published:9", "dram.reap.writing_freed:1"), 1 << 30),
+    (("dram.allocate.key_published:9", "dram.reap.rows_cleared:1"), 1 << 30),
     (("disk.evict.unindexed:1",), SMALL_DISK),
 ]
 REMOTE_ONLY = {"store.remote_write.sending", "store.remote_write.acked"}  # tests/remote/test_remote_crash.py
@@ -89,6 +89,6 @@ def test_every_crash_point_is_in_the_code_and_injected_by_a_test():
 def test_an_unknown_crash_point_is_a_clear_error():
     from kvprefetch.crashpoints import _parse
 
-    with pytest.raises(ValueError, match="no crash point 'dram.alocate'"):
+    with pytest.raises(ValueError, match=r"no crash point 'dram\.alocate'"):
         _parse("dram.alocate:2")
     assert _parse("disk.write.renamed") == ("disk.write.renamed", 1)

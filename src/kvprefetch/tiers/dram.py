@@ -10,6 +10,17 @@ A slot is FREE, WRITING (allocated, pinned by its writer) or READY (a whole, ver
 take a process-wide lock plus flock on the file, so threads and processes serialise on the same order.
 Pins are counted per process row, so a process that dies is unpinned by the next one that notices
 (`reap_dead`), and LRU eviction never takes a slot that any live process pins.
+
+Crash safety: a process can be SIGKILLed between any two stores to the shared file (the kernel drops its flock),
+so every step keeps these invariants, and the next process needs no log to repair anything:
+  * a WRITING slot is pinned by its writer: allocate pins the slot before marking it WRITING, commit and abort
+    change the state before unpinning. So a WRITING slot with no pin is a dead writer's, and reaping frees it.
+  * a READY slot's image is the whole chunk its key names: a slot's key changes only while it is WRITING
+    (allocate marks the slot WRITING, then publishes the new key last), and its image is written only while its
+    writer holds it WRITING; commit makes it READY after the image and its header are complete. So a READY
+    image cannot be torn by a crash; `payload` still checks the image's header names the key (microseconds),
+    which would catch a slot table that disagrees with its image however that came about.
+See kvprefetch.crashpoints and tests/store/test_crash_points.py, which kill a process at each of these steps.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from kvprefetch.crashpoints import crash_point
-from kvprefetch.tiers.chunk_format import ALIGN, HEADER_BYTES, align_up
+from kvprefetch.tiers.chunk_format import ALIGN, HEADER_BYTES, CorruptChunk, align_up, verify_image
 
 POOL_MAGIC = b"KVPFPOOL"
 POOL_VERSION = 1
@@ -255,16 +266,18 @@ class SharedChunkPool:
         for row in np.flatnonzero(self.procs != 0):
             pid = int(self.procs[row])
             if pid != os.getpid() and not pid_alive(pid):
-                writing = np.flatnonzero((self.pins[row] > 0) & (self.slots["state"] == WRITING))
-                self.slots["state"][writing] = FREE  # a dead writer's half-written slot is garbage
-                crash_point("dram.reap.writing_freed")
                 self.pins[row, :] = 0
                 self.procs[row] = 0
                 reaped += 1
+        crash_point("dram.reap.rows_cleared")
+        # every live writer pins its WRITING slot (see the module's invariants): one nobody pins is a dead
+        # writer's half-written image, whether its row was cleared just now or by a reaper killed mid-way
+        unowned = np.flatnonzero((self.slots["state"] == WRITING) & (self.pins.sum(axis=0) == 0))
+        self.slots["state"][unowned] = FREE
         return reaped
 
     def reap_dead(self) -> int:
-        """Release the pins and half-written slots of processes that died without detaching."""
+        """Release the pins of processes that died without detaching, and the half-written slots left unowned."""
         with self._locked():
             return self._reap_dead_locked()
 
@@ -279,6 +292,10 @@ class SharedChunkPool:
     def contains(self, key: bytes) -> bool:
         """Whether key has a READY slot (a hint: it may be evicted right after unless pinned)."""
         return self._find(key) is not None
+
+    def writing(self, key: bytes) -> bool:
+        """Whether some thread or process is writing key into a slot right now (a hint, like contains)."""
+        return self._find(key, WRITING) is not None
 
     def wait_ready(self, key: bytes, timeout: float) -> bool:
         """If another thread or process is writing key right now, wait (up to timeout) for it to be READY."""
@@ -317,15 +334,17 @@ class SharedChunkPool:
                 slot = self._free_or_victim()
             if slot is None:
                 return None
+            # the order is the crash-safety invariant: owner first, then WRITING (the old chunk is no longer
+            # served), then the new key, last (nobody finds the slot under it before it is owned and WRITING)
+            self.pins[self._row, slot] += 1
+            crash_point("dram.allocate.pinned")
             entry = self.slots[slot]
-            entry["key0"] = int.from_bytes(key[:8], "little")
-            entry["key"] = np.frombuffer(key, dtype="V32")[0]
-            crash_point("dram.allocate.key_published")
             entry["state"] = WRITING
             crash_point("dram.allocate.writing")
             entry["nbytes"] = payload_nbytes
-            self.pins[self._row, slot] += 1
-            crash_point("dram.allocate.pinned")
+            entry["key"] = np.frombuffer(key, dtype="V32")[0]
+            entry["key0"] = int.from_bytes(key[:8], "little")
+            crash_point("dram.allocate.key_published")
             return slot
 
     def _free_or_victim(self) -> int | None:
@@ -403,9 +422,16 @@ class SharedChunkPool:
         """All slot images as one region (for backends that register memory for zero-copy transfers)."""
         return memoryview(self._data)
 
-    def payload(self, slot: int) -> memoryview:
+    def payload(self, slot: int, key: bytes) -> memoryview:
+        """The payload of key's slot (pinned by the caller), once its image's header is checked to name key and
+        the table's size: raises CorruptChunk otherwise. The payload checksum is not recomputed: a READY image
+        cannot be torn (module docstring), and the header check costs microseconds where the checksum costs a
+        pass over the chunk."""
         nbytes = int(self.slots["nbytes"][slot])
-        return self.image(slot)[HEADER_BYTES : HEADER_BYTES + nbytes]
+        image = self.image(slot)
+        if verify_image(image, key, verify_payload=False).payload_nbytes != nbytes:
+            raise CorruptChunk(f"slot {slot}: the image's size disagrees with the slot table's {nbytes} B")
+        return image[HEADER_BYTES : HEADER_BYTES + nbytes]
 
     # ---- accounting --------------------------------------------------------------------------------------
     def stats(self) -> dict:
