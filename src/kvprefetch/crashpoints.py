@@ -61,6 +61,14 @@ _lock = threading.Lock()
 _reached = 0
 
 
+def arm(spec: str | None) -> None:
+    """Arm (or with None disarm) a point in this process, as KVPREFETCH_CRASH_AT does at import: for a child
+    forked from a test process that imported kvprefetch already."""
+    global _ARMED, _reached
+    with _lock:
+        _ARMED, _reached = _parse(spec), 0
+
+
 def crash_point(name: str) -> None:
     """SIGKILL this process here if the test armed this point and this is its nth arrival; else nothing."""
     if _ARMED is None or _ARMED[0] != name:

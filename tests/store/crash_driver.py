@@ -11,6 +11,7 @@ so a line cut short by a kill is never a whole line. Arm a crash point with KVPR
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 
 import numpy as np
@@ -18,6 +19,7 @@ import numpy as np
 from kvprefetch.config import StoreConfig
 from kvprefetch.store import TieredStore
 from kvprefetch.tiers.chunk_format import image_bytes
+from kvprefetch.tiers.disk import DiskFullError
 
 CHUNK = 64 * 1024
 POOL_SLOTS = 8  # the script's 12 keys overflow it: puts 9-12 evict, reads 13-16 promote from disk
@@ -43,13 +45,19 @@ def config(disk: str, pool: str, disk_capacity: int = 1 << 30) -> StoreConfig:
 
 
 def emit(lines: list[str]) -> None:
+    """One write(2) on fd 1 per batch: a kill leaves whole lines only (a batch is far below PIPE_BUF), and a
+    child forked from a process whose sys.stdout is not fd 1 (pytest's capture) still reaches its pipe."""
     if lines:
-        sys.stdout.write("".join(f"{line}\n" for line in lines))
-        sys.stdout.flush()
+        os.write(1, "".join(f"{line}\n" for line in lines).encode())
 
 
 def put(store: TieredStore, keys: list[bytes]) -> None:
-    store.put(keys, [payload(k) for k in keys]).result()
+    """Save keys; acknowledge them only once the store has (a full disk acknowledges nothing, says FULL)."""
+    try:
+        store.put(keys, [payload(k) for k in keys]).result()
+    except DiskFullError:
+        emit(["FULL"])
+        return
     emit([f"ACK {k.hex()}" for k in keys])
 
 

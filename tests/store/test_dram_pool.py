@@ -69,7 +69,7 @@ def test_geometry_mismatch_is_a_clear_error(pool):
 def _child_reads(name: str, k: bytes, conn) -> None:
     other = SharedChunkPool(name, slot_bytes=SLOT, capacity_bytes=4 * SLOT)
     slot = other.acquire(k)
-    conn.send(None if slot is None else bytes(other.payload(slot)[:16]))
+    conn.send(None if slot is None else bytes(other.payload(slot, k)[:16]))
     other.close()
 
 
@@ -105,7 +105,18 @@ def test_a_dead_process_does_not_leak_its_pins(pool):
 
 def test_payload_is_a_zero_copy_view(pool):
     slot = put(pool, key(3), fill=1)
-    view = pool.payload(slot)
+    view = pool.payload(slot, key(3))
     np.frombuffer(view, np.uint8)[:4] = 9
     assert bytes(pool.image(slot)[HEADER_BYTES : HEADER_BYTES + 4]) == b"\x09" * 4
     view.release()
+
+
+def test_a_slot_whose_image_is_not_its_keys_chunk_is_refused(pool):
+    """What a slot table that disagrees with its image would serve (the old allocate order left one after a
+    kill: a new key over an evicted chunk's bytes) is refused by the header check on every served payload."""
+    from kvprefetch.tiers.chunk_format import CorruptChunk
+
+    slot = put(pool, key(1))
+    write_header(pool.image(slot), key(2), PAYLOAD)  # the image now claims another key
+    with pytest.raises(CorruptChunk, match="another key"):
+        pool.payload(slot, key(1))
