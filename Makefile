@@ -3,7 +3,7 @@ VENV  := .venv
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup test test-fast bench lint
+.PHONY: setup test test-fast bench lint soak
 
 setup: $(STAMP)
 
@@ -23,3 +23,8 @@ bench: setup
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
+
+# not in CI (which runs a 24-kill cut of it): 1,000 random SIGKILLs of writers and readers on one DRAM pool and
+# one disk directory, crash points armed at random, flipped file bytes, a full tmpfs (as root); one summary line
+soak: setup
+	PYTHONPATH=src $(BIN)/python -m tests.store.soak --kills 1000 --seed 20

@@ -2,6 +2,7 @@
 
     python crash_driver.py script DISK POOL DISK_CAPACITY   the fixed workload the kill-point harness crashes
     python crash_driver.py random DISK POOL SEED ROLE       writes (ROLE=writer) or reads (reader) forever
+    python crash_driver.py remote REDIS_URL PREFIX POOL N   saves N chunks one by one to DRAM + a redis tier
 
 It prints `ACK <key>` once a save is acknowledged (its put future resolved with no error), `OK <key>` for a
 chunk it was served with the right bytes and `WRONG <key>` for one served with wrong bytes; one write per batch,
@@ -99,9 +100,26 @@ def random_role(disk: str, pool: str, seed: int, role: str) -> None:
                 read(store, batch)
 
 
+def remote_writer(url: str, prefix: str, pool: str, n: int) -> None:
+    """Write-through to the remote tier, one chunk per put: ACK only where the put reports it stored."""
+    cfg = StoreConfig.load(
+        tiers=["dram", "remote"],
+        dram={"capacity_bytes": POOL_SLOTS * image_bytes(CHUNK), "pool_name": pool},
+        remote={"backend": "redis", "key_prefix": prefix, "redis": {"url": url}, "timeout_s": 2.0},
+        io={"threads": 2},
+    )
+    with TieredStore(cfg, chunk_bytes=CHUNK) as store:
+        emit(["READY"])
+        for key in [key_of(2000 + i) for i in range(n)]:
+            if store.put([key], [payload(key)]).result() == 1:
+                emit([f"ACK {key.hex()}"])
+
+
 if __name__ == "__main__":
-    mode, disk_dir, pool_name = sys.argv[1:4]
+    mode = sys.argv[1]
     if mode == "script":
-        script(disk_dir, pool_name, int(sys.argv[4]))
+        script(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif mode == "remote":
+        remote_writer(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
     else:
-        random_role(disk_dir, pool_name, int(sys.argv[4]), sys.argv[5])
+        random_role(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
