@@ -128,19 +128,24 @@ def check_disk_after_restart(disk: Path, tally: Tally, expect_all_acked: bool = 
     """A fresh node on the same directory (recovery runs): acknowledged saves are there and every file is right."""
     tier = DiskTier(disk, capacity_bytes=1 << 34)
     tally.temp_left = [str(p) for p in disk.rglob(".*.tmp")]
-    valid: set[bytes] = set()
+    valid = read_all_valid(tier)
+    tally.wrong |= {key for key, data in valid.items() if len(data) != CHUNK or not (data == payload(key)).all()}
+    if expect_all_acked:
+        tally.lost |= tally.acked - set(valid)
+    return tier
+
+
+def read_all_valid(tier: DiskTier, chunk_bytes: int = CHUNK) -> dict[bytes, np.ndarray]:
+    """Every chunk the tier's index holds that reads back whole and verified (damaged files read as misses)."""
+    got = {}
     for key in list(tier._index):
-        buf = aligned_buffer(CHUNK + 4096)
+        buf = aligned_buffer(chunk_bytes + 4096)
         try:
             n = tier.read_into(key, buf)
         except (CorruptChunk, ChunkMissing):
             continue
-        valid.add(key)
-        if n != CHUNK or not (np.frombuffer(buf[4096 : 4096 + n], np.uint8) == payload(key)).all():
-            tally.wrong.add(key)
-    if expect_all_acked:
-        tally.lost |= tally.acked - valid
-    return tier
+        got[key] = np.frombuffer(buf[4096 : 4096 + n], np.uint8).copy()
+    return got
 
 
 def remove_pool(pool: str) -> None:

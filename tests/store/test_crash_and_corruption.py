@@ -14,28 +14,14 @@ import numpy as np
 import pytest
 
 from kvprefetch.bench.hugepages import reserved_huge_pages
-from kvprefetch.tiers.chunk_format import CorruptChunk
 from kvprefetch.tiers.disk import DiskFullError, DiskTier
 from kvprefetch.tiers.dram import SHM_DIR
 
 from .conftest import CHUNK_BYTES, chunk_payload
+from .crash_harness import read_all_valid
 
 WRITER = Path(__file__).with_name("crash_writer.py")
 _ACK = re.compile(r"^ACK ([0-9a-f]{64})\n", re.MULTILINE)
-
-
-def _read_all_valid(disk: DiskTier) -> dict[bytes, np.ndarray]:
-    from kvprefetch.tiers.disk import aligned_buffer
-
-    got = {}
-    for key in list(disk._index):
-        buf = aligned_buffer(CHUNK_BYTES + 4096)
-        try:
-            n = disk.read_into(key, buf)
-        except (CorruptChunk, KeyError):
-            continue
-        got[key] = np.frombuffer(buf[4096 : 4096 + n], np.uint8).copy()
-    return got
 
 
 def test_sigkill_at_random_points_never_serves_torn_data_nor_loses_acked_chunks(tmp_path):
@@ -58,7 +44,7 @@ def test_sigkill_at_random_points_never_serves_torn_data_nor_loses_acked_chunks(
         acked |= {bytes.fromhex(m.group(1)) for m in _ACK.finditer(out)}
 
         disk = DiskTier(tmp_path, capacity_bytes=1 << 34)
-        valid = _read_all_valid(disk)
+        valid = read_all_valid(disk, CHUNK_BYTES)
         assert acked <= set(valid), f"round {round_}: acknowledged chunks lost"
         for key, data in valid.items():
             assert (data == chunk_payload(key)).all(), f"round {round_}: wrong bytes served"
