@@ -37,6 +37,7 @@ class Tally:
     """What the children said and what the checks found (keys, so a report can name them)."""
 
     acked: set[bytes] = field(default_factory=set)
+    acks: int = 0  # ACK lines: saves acknowledged, a key saved again counted again
     wrong: set[bytes] = field(default_factory=set)
     served: int = 0
     lost: set[bytes] = field(default_factory=set)
@@ -49,6 +50,7 @@ class Tally:
             key = bytes.fromhex(hexkey)
             if kind == "ACK":
                 self.acked.add(key)
+                self.acks += 1
             else:
                 self.served += 1
                 if kind == "WRONG":

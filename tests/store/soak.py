@@ -222,9 +222,9 @@ def main(argv: list[str] | None = None) -> int:
                 soak_dir(soak, mnt / "disk", soak.kills + full_kills, args.procs, args.restart_every, 0)
             full_note = f"disk_full_saves={soak.full}" if mnt is not None else "disk_full=skipped(not root)"
     t = soak.tally
-    print(f"soak: kills={soak.kills} (at crash points {soak.armed_kills}) acked={soak.acked_epochs} "
-          f"lost={len(t.lost)} wrong={len(t.wrong)} stuck={t.stuck} served={t.served} "
-          f"files_damaged={soak.damaged} {full_note} errors={len(soak.errors)} seed={args.seed} "
+    print(f"soak: kills={soak.kills} (at crash points {soak.armed_kills}) acked={t.acks} "
+          f"(distinct per epoch {soak.acked_epochs}) lost={len(t.lost)} wrong={len(t.wrong)} stuck={t.stuck} "
+          f"served={t.served} files_damaged={soak.damaged} {full_note} errors={len(soak.errors)} seed={args.seed} "
           f"seconds={time.monotonic() - started:.0f}")  # fmt: skip
     for error in soak.errors[:5]:
         print(error, file=sys.stderr)
