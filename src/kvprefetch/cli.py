@@ -133,11 +133,13 @@ def _register_subcommands() -> None:
     from kvprefetch.bench.remotebench_cli import register as register_remotebench
     from kvprefetch.sim.cli import register as register_sim
     from kvprefetch.status_cli import register as register_status
+    from kvprefetch.trace_cli import register as register_trace
 
     register_sim(app)
     register_bench(app)
     register_remotebench(app)
     register_status(app)
+    register_trace(app)
 
 
 _register_subcommands()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from kvprefetch.bench.workloads import (
@@ -72,28 +71,36 @@ def _trace(tmp_path, rows):
 
 
 def test_trace_equal_hash_ids_give_equal_blocks_and_declared_scaling(tmp_path):
-    rows = [{"timestamp": 100 * i, "input_length": 512 * 3, "output_length": 40, "hash_ids": [1, 2, 10 + i]}
-            for i in range(8)]  # fmt: skip
-    spec = TraceBench(path=str(_trace(tmp_path, rows)), length_scale=1 / 8, prelude=2, min_requests=2,
-                      requests_per_concurrency=1.0, max_output_tokens=3, use_timestamps=True,
-                      time_scale=2.0)  # fmt: skip
+    rows = []
+    for k in range(8):  # 8 conversations of two turns; the second extends the first by one block
+        rows.append({"timestamp": 1000 * k, "input_length": 512 * 2, "output_length": 40,
+                     "hash_ids": [100 * k, 100 * k + 1]})  # fmt: skip
+        rows.append({"timestamp": 1000 * k + 500, "input_length": 512 * 3, "output_length": 40,
+                     "hash_ids": [100 * k, 100 * k + 1, 100 * k + 2]})  # fmt: skip
+    spec = TraceBench(path=str(_trace(tmp_path, rows)), length_scale=1 / 8, chunk_tokens=64, window_start=0.0,
+                      level_tokens=1, engine_kv_tokens=1, min_requests=2, requests_per_concurrency=1.0,
+                      max_output_tokens=3, use_timestamps=True, time_scale=2.0)  # fmt: skip
     w = trace_workload(spec, [2, 4], vocab_size=700)
-    assert w.declared["block_tokens"] == 64
-    assert len(w.prelude) == 2 and [len(w.levels[c]) for c in (2, 4)] == [2, 4]
-    toks = [s.turns[0].tokens for s in w.prelude] + [s.turns[0].tokens for c in w.levels for s in w.levels[c]]
-    assert all(len(t) == 3 * 64 for t in toks)
-    first = np.array([t[:128] for t in toks])
-    assert (first == first[0]).all()  # hash ids 1, 2 shared by every request
-    assert len({tuple(t[128:]) for t in toks}) == len(toks)
-    assert all(s.turns[0].max_tokens == 3 for c in w.levels for s in w.levels[c])
-    # arrival times: relative to the segment's first request, scaled
-    assert [s.arrival_s for s in w.levels[4]] == pytest.approx([0.0, 0.2, 0.4, 0.6])
+    assert w.declared["block_tokens"] == 64 and w.declared["length_scale_note"] is None
+    assert w.prelude == []  # the window opens at the trace's start: no conversation has a past
+    assert [len(w.levels[c]) for c in (2, 4)] == [1, 2] and all(len(s.turns) == 2 for c in w.levels
+                                                                    for s in w.levels[c])  # fmt: skip
+    for s in w.levels[2] + w.levels[4]:
+        first, second = (t.tokens for t in s.turns)
+        assert len(first) == 2 * 64 and len(second) == 3 * 64 and second[:128] == first  # equal ids, equal blocks
+        assert [t.max_tokens for t in s.turns] == [3, 3]
+        assert s.turns[1].think_s == pytest.approx(1.0)  # the trace's 0.5 s between the turns, times 2
+    assert len({tuple(s.turns[0].tokens) for c in w.levels for s in w.levels[c]}) == 3
+    # arrival times: relative to the level's first conversation, scaled
+    arrivals = [s.arrival_s for s in w.levels[4]]
+    assert arrivals[0] == 0.0 and arrivals[1] > 0 and arrivals[1] % 2.0 == pytest.approx(0.0)
+    assert w.declared["sample"]["sample_ideal_hit_ratio"] == pytest.approx(2 / 5)
 
 
 def test_trace_too_short_is_a_clear_error(tmp_path):
     rows = [{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [i]} for i in range(3)]
-    spec = TraceBench(path=str(_trace(tmp_path, rows)), prelude=2, min_requests=2)
-    with pytest.raises(ValueError, match="needs"):
+    spec = TraceBench(path=str(_trace(tmp_path, rows)), min_requests=5)
+    with pytest.raises(ValueError, match="too few conversations"):
         trace_workload(spec, [1], vocab_size=100)
 
 

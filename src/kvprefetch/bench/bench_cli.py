@@ -102,14 +102,27 @@ def register(app: typer.Typer) -> None:
             Path | None, typer.Option(help="Replay a Mooncake-format trace instead of synthetic chat.")
         ] = None,
         trace_length_scale: Annotated[
-            float, typer.Option(help="Trace token lengths x this (512 x it must be whole).")
-        ] = 1 / 8,
+            float | None,
+            typer.Option(help="Trace token lengths x this; a 512-token block must stay a whole number of chunks "
+                         "(default: one chunk a block)."),
+        ] = None,
         trace_time_scale: Annotated[
-            float, typer.Option(help="Trace arrival times x this (with --trace-timestamps).")
+            float, typer.Option(help="Trace arrival times x this (with --trace-timestamps and --trace-utilisation 0).")
         ] = 1.0,
         trace_timestamps: Annotated[
             bool, typer.Option(help="Honour trace arrival times (else: as fast as the concurrency allows).")
         ] = False,
+        trace_utilisation: Annotated[
+            float,
+            typer.Option(help="With --trace-timestamps: scale arrival times so recomputing each level would keep "
+                         "the engine this busy (0: use --trace-time-scale as given)."),
+        ] = 0.8,
+        trace_window_start: Annotated[
+            float, typer.Option(help="Measure conversations from this share of the trace's time span on.")
+        ] = 0.3,
+        trace_max_prompt_tokens: Annotated[
+            int, typer.Option(help="Leave out conversations with a longer (scaled) prompt.")
+        ] = 2048,
         system_tokens: Annotated[int | None, typer.Option(help="Chat: shared system prompt tokens.")] = None,
         history_tokens: Annotated[int | None, typer.Option(help="Chat: first (long) message tokens.")] = None,
         user_tokens: Annotated[int | None, typer.Option(help="Chat: follow-up message tokens.")] = None,
@@ -212,10 +225,26 @@ def register(app: typer.Typer) -> None:
         opts.chat = replace(opts.chat, **chat_kw)
         opts.chunk_tokens = chunk_tokens or (128 if trace is not None else 256)
         if trace is not None:
-            opts.trace = TraceBench(path=str(trace), length_scale=trace_length_scale, time_scale=trace_time_scale,
-                                    use_timestamps=trace_timestamps)  # fmt: skip
+            from kvprefetch.trace_cli import analyse_file
+            from kvprefetch.workload.sampling import SampleRule, fit_block_tokens
+
+            try:
+                _, note = fit_block_tokens(trace_length_scale, opts.chunk_tokens)
+                SampleRule(trace_window_start, trace_max_prompt_tokens)
+                analysis = analyse_file(trace)
+            except (ValueError, OSError) as err:
+                raise typer.BadParameter(str(err)) from None
+            if note:
+                console.print(f"[yellow]--trace-length-scale: {note}[/yellow]")
+            console.print(f"[bold]trace[/bold] {trace}:")
+            for line in analysis.lines():
+                console.print(f"  {line}")
+            opts.trace = TraceBench(path=str(trace), length_scale=trace_length_scale, chunk_tokens=opts.chunk_tokens,
+                                    time_scale=trace_time_scale, use_timestamps=trace_timestamps,
+                                    utilisation=trace_utilisation or None, window_start=trace_window_start,
+                                    max_prompt_tokens=trace_max_prompt_tokens)  # fmt: skip
             if quick:
-                opts.trace = replace(opts.trace, prelude=16, min_requests=4, requests_per_concurrency=1.0)
+                opts.trace = replace(opts.trace, min_requests=4, requests_per_concurrency=1.0)
         if kv_cache:
             opts.kv_cache_bytes = parse_size(kv_cache)
         if dram:
@@ -236,7 +265,14 @@ def run_and_report(opts) -> dict:
 
     from kvprefetch.bench.client import EngineError
     from kvprefetch.bench.modes import known_failure
-    from kvprefetch.bench.report import TABLE_COLUMNS, regimes_of, rich_table, row_cells, write_outputs
+    from kvprefetch.bench.report import (
+        TABLE_COLUMNS,
+        regimes_of,
+        rich_table,
+        row_cells,
+        trace_reuse_lines,
+        write_outputs,
+    )
     from kvprefetch.bench.runner import Bench, simulator_prediction
 
     levels = ",".join(map(str, opts.concurrency))
@@ -298,6 +334,9 @@ def run_and_report(opts) -> dict:
             console.print(f"[yellow]{r['mode']} @ {r['concurrency']}: {r.get('status')}: {r.get('reason')}[/yellow]")
             if why := known_failure(r["mode"], r.get("reason")):
                 console.print(f"  known: {why}")
+    for line in trace_reuse_lines(results):
+        if line:
+            console.print(line, markup=False)
     for n in results.get("notes", []):
         console.print(f"[yellow]note:[/yellow] {n.splitlines()[0]}")
     console.print(f"wrote {', '.join(str(opts.out / f) for f in files)}")

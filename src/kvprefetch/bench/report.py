@@ -244,6 +244,7 @@ def markdown_report(results: dict) -> str:
                  f"max_num_seqs {cfg.get('max_num_seqs')}, max_num_batched_tokens "
                  f"{cfg.get('max_num_batched_tokens')}, chunk {cfg.get('chunk_tokens')} tokens, DRAM tier "
                  f"{cfg.get('dram_tier_bytes', 0) / 2**20:.0f} MiB (dram mode: everything).")  # fmt: skip
+    lines += trace_reuse_lines(results)
     lines += ["", "## Storage regime", ""]
     asked = reg.get("asked")
     lines.append(f"- Asked: {asked if asked == 'native' else f'R = {asked}'}; enforced by: {reg.get('enforced_by')}.")
@@ -382,6 +383,46 @@ def _declared(w: dict) -> str:
                                                     "prelude_tokens", "measured_prompt_tokens",
                                                     "largest_level_prompt_tokens")}  # fmt: skip
     return json.dumps(keep, sort_keys=True)
+
+
+def achieved_hit_ratios(rows: list[dict]) -> dict[str, float]:
+    """Each mode's hit ratio over all its levels (weighted by their prompt tokens)."""
+    out: dict[str, float] = {}
+    for m in dict.fromkeys(r["mode"] for r in _ok(rows)):
+        cells = [r for r in _ok(rows) if r["mode"] == m and r.get("prompt_tokens")]
+        tokens = sum(r["prompt_tokens"] for r in cells)
+        if tokens:
+            out[m] = sum(r.get("hit_ratio", 0.0) * r["prompt_tokens"] for r in cells) / tokens
+    return out
+
+
+def trace_reuse_lines(results: dict) -> list[str]:
+    """A trace replay's reuse side by side: the whole trace's ideal hit ratio, the sample's, the replayed
+    prompts' (whole chunks), and what each mode achieved; a warning when the sample lost most of the reuse."""
+    w = results.get("workload", {})
+    sample = w.get("sample")
+    if not sample:
+        return []
+    full, ideal = sample["full_trace_ideal_hit_ratio"], sample["sample_ideal_hit_ratio"]
+    chunks = w.get("reusable_share")
+    lines = ["", "## Reuse: the trace, the replayed sample, each mode", "",
+             f"Sample: {sample['conversations']} conversations ({sample['measured_requests']} requests) from "
+             f"{sample['window_start_s']:.0f} s into the trace on, {sample['prelude_prompts']} prelude prompts; "
+             f"rule: {sample['rule']} (declared above).", "",
+             "| | hit ratio | / sample ideal | / replayed ideal |", "|---|---:|---:|---:|",
+             f"| full trace, ideal (unbounded cache, blocks) | {100 * full:.1f}% | | |",
+             f"| sample, ideal (blocks) | {100 * ideal:.1f}% | | |"]  # fmt: skip
+    if chunks is not None:
+        lines.append(f"| replayed prompts, ideal (whole chunks, tokens) | {100 * chunks:.1f}% | | |")
+    for m, got in achieved_hit_ratios(results.get("rows", [])).items():
+        lines.append(f"| {m}, achieved | {100 * got:.1f}% | {fmt(ratio(got, ideal), '.2f')} | "
+                     f"{fmt(ratio(got, chunks), '.2f')} |")  # fmt: skip
+    if sample.get("sample_lost_most_reuse"):
+        lines += ["", f"**WARNING: the sample lost most of the trace's reuse** (ideal {100 * ideal:.0f}% vs "
+                  f"{100 * full:.0f}%): start the window later (--trace-window-start) or allow longer prompts."]
+    if w.get("length_scale_note"):
+        lines += ["", f"Length scale corrected: {w['length_scale_note']}."]
+    return lines
 
 
 def markdown_table(rows: list[dict]) -> list[str]:

@@ -26,7 +26,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,9 @@ from kvprefetch.bench.workloads import (
     BenchWorkload,
     ChatBench,
     TraceBench,
+    apply_utilisation,
     chat_workload,
+    default_engine_kv_tokens,
     reuse_summary,
     trace_workload,
 )
@@ -186,9 +188,12 @@ class Progress:
 
 
 # ---- the run ------------------------------------------------------------------------------------------------
-def build_workload(opts: BenchOptions, vocab: int) -> BenchWorkload:
+def build_workload(opts: BenchOptions, vocab: int, bytes_per_token: int = 0) -> BenchWorkload:
     if opts.trace is not None:
-        return trace_workload(opts.trace, opts.concurrency, vocab)
+        trace = opts.trace
+        if opts.kv_cache_bytes and bytes_per_token:  # an engine KV cache asked for: the levels outgrow it
+            trace = replace(trace, engine_kv_tokens=opts.kv_cache_bytes // bytes_per_token)
+        return trace_workload(trace, opts.concurrency, vocab)
     return chat_workload(opts.chat, opts.concurrency, vocab)
 
 
@@ -304,14 +309,14 @@ class Bench:
         self.model = resolve_model(o.model, o.engine_args)
         self.max_num_seqs = int(o.engine_args.get("max_num_seqs") or o.max_num_seqs or max(o.concurrency))
         self.cuda = self.model.device == "cuda"
-        self.workload = build_workload(o, self.model.vocab_size)
+        self.workload = build_workload(o, self.model.vocab_size, self.model.bytes_per_token)
         w = self.workload
         chunk = o.chunk_tokens
         self.max_model_len = min(
             _round_up(w.max_len() + 64, 256), int(self.model.config.get("max_position_embeddings", 1 << 30))
         )
         longest = w.max_len()
-        self.kv_cache_bytes = int(o.kv_cache_bytes or 4 * _round_up(longest, 256) * self.model.bytes_per_token)
+        self.kv_cache_bytes = int(o.kv_cache_bytes or default_engine_kv_tokens(longest) * self.model.bytes_per_token)
         base = Path(o.cache_dir or tempfile.gettempdir())
         base.mkdir(parents=True, exist_ok=True)
         self.work = Path(tempfile.mkdtemp(prefix="kvprefetch-bench-", dir=base))
@@ -364,6 +369,11 @@ class Bench:
                                        "decode_tokens": 32, "vocab": self.model.vocab_size}  # fmt: skip
                 cal = eng.call("calibrate", **self.calibrate_args)
                 tps = float(cal["prefill_tokens_per_s"])
+                if o.trace is not None and o.trace.use_timestamps and o.trace.utilisation:
+                    factor = apply_utilisation(w, tps, o.trace.utilisation)
+                    (self.work / "workload.json").write_text(json.dumps(w.to_json()))
+                    self.log(f"trace times x {factor or 1:.3g}: recomputing each level would keep the engine "
+                             f"{100 * o.trace.utilisation:.0f}% busy at {tps:,.0f} prefill tokens/s")
                 self.p.update(f"prefill {tps:,.0f} tok/s; populating the store", 15)
                 res = eng.call("run", file=self.wfile, level="prelude", concurrency=max(o.concurrency),
                                flush=True, tag="prelude", timeout_s=o.cell_timeout_s)  # fmt: skip

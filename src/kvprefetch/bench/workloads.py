@@ -12,9 +12,10 @@ measured requests then reuse it, and each adds new tokens of its own that nothin
   turns ``1 .. T-1``, so each measured turn reuses the whole previous prompt (on disk) and brings the previous
   answer and a new user message. Each concurrency level gets its own sessions, so one level never warms the
   cache for the next.
-* **trace**: a Mooncake-format trace (``hash_ids`` -> identical token blocks), scaled by a declared
-  ``TraceScaling``. The first ``prelude`` requests populate the store; the next requests are cut into
-  consecutive segments, one per concurrency level, replayed in trace order.
+* **trace**: a Mooncake-format trace (``hash_ids`` -> identical token blocks), lengths scaled so a trace block
+  stays a whole number of chunks. Each level replays whole conversations (prefix groups) from the trace's
+  window, in trace order; the prelude is what those conversations held before the window
+  (`kvprefetch.workload.sampling`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ import numpy as np
 
 from kvprefetch.workload import ChatWorkload, TraceScaling, generate_chat, read_mooncake_trace
 from kvprefetch.workload.mooncake import DEFAULT_TRACE
+from kvprefetch.workload.prefix_cache import prefix_hits
+from kvprefetch.workload.sampling import (
+    LevelNeed,
+    SampleRule,
+    fit_block_tokens,
+    sample_conversations,
+    utilisation_time_factor,
+)
 
 
 @dataclass
@@ -186,11 +195,22 @@ def chat_workload(spec: ChatBench, concurrencies: list[int], vocab_size: int) ->
 
 @dataclass(frozen=True)
 class TraceBench:
+    """The bench's trace replay (`kvprefetch.workload.sampling`): whole conversations from the trace's window,
+    with their past as the prelude; every knob is declared with the results."""
+
     path: str = str(DEFAULT_TRACE)
-    length_scale: float = 1 / 8  # 64-token blocks: two per 128-token chunk, prompts ~1/8 of the trace's
-    time_scale: float = 1.0
-    use_timestamps: bool = False  # False: requests in trace order as fast as the concurrency allows
-    prelude: int = 32
+    length_scale: float | None = None  # None: one chunk per 512-token trace block (chunk_tokens / 512)
+    chunk_tokens: int = 128
+    time_scale: float = 1.0  # trace times x this (with use_timestamps)
+    use_timestamps: bool = False  # False: each level's conversations in order, as fast as the concurrency allows
+    # With use_timestamps: trace times are scaled so that recomputing a level's prompts at the engine's measured
+    # prefill speed would keep it this busy (applied once the speed is measured; None: time_scale as declared)
+    utilisation: float | None = 0.8
+    window_start: float = 0.3  # the measured window opens at this share of the trace's time span
+    max_prompt_tokens: int = 2048  # conversations with a longer (scaled) prompt are left out whole
+    level_tokens: int = 48_000  # prompt tokens each level measures at least: enough conversations to keep the reuse
+    strata: int = 3
+    engine_kv_tokens: int | None = None  # the engine's KV cache; None: the bench's default for max_prompt_tokens
     min_requests: int = 8
     requests_per_concurrency: float = 2.0
     max_output_tokens: int = 64
@@ -198,6 +218,15 @@ class TraceBench:
 
     def requests_for(self, concurrency: int) -> int:
         return max(self.min_requests, math.ceil(self.requests_per_concurrency * concurrency))
+
+
+KV_MARGIN = 1.5
+"""A level's prompt tokens are at least this many times the engine's KV cache, so the engine cannot hold it."""
+
+
+def default_engine_kv_tokens(longest: int) -> int:
+    """The engine's KV cache by default: room for four of the longest requests (prompt and answer)."""
+    return 4 * -(-longest // 256) * 256
 
 
 def find_trace(path: str | Path) -> Path:
@@ -213,43 +242,72 @@ def find_trace(path: str | Path) -> Path:
 
 
 def trace_workload(spec: TraceBench, concurrencies: list[int], vocab_size: int) -> BenchWorkload:
-    counts = [spec.requests_for(c) for c in concurrencies]
-    total = spec.prelude + sum(counts)
     path = find_trace(spec.path)
-    scaling = TraceScaling(spec.length_scale, spec.time_scale, total)
+    scale, note = fit_block_tokens(spec.length_scale, spec.chunk_tokens)
+    scaling = TraceScaling(scale, spec.time_scale)
     reqs = read_mooncake_trace(path, scaling, seed=spec.seed)
-    if len(reqs) < total:
-        raise ValueError(f"{path} has {len(reqs)} requests; the bench needs {total} (prelude + levels)")
-    prelude = [
-        Session(f"p{k}", 0.0, [Turn(r.token_ids(vocab_size).tolist(), 1)]) for k, r in enumerate(reqs[: spec.prelude])
-    ]
+    kv = spec.engine_kv_tokens or default_engine_kv_tokens(spec.max_prompt_tokens + spec.max_output_tokens)
+    level_tokens = max(spec.level_tokens, math.ceil(KV_MARGIN * kv))
+    needs = [LevelNeed(spec.requests_for(c), level_tokens) for c in concurrencies]
+    rule = SampleRule(spec.window_start, spec.max_prompt_tokens, strata=spec.strata, seed=spec.seed)
+    sample = sample_conversations(reqs, needs, rule)
+    prelude = [Session(f"p{k}", 0.0, [Turn(r.token_ids(vocab_size).tolist(), 1)]) for k, r in enumerate(sample.prelude)]
+    ts = spec.use_timestamps
     levels: dict[int, list[Session]] = {}
-    i = spec.prelude
-    for c, n in zip(concurrencies, counts, strict=True):
-        seg = reqs[i : i + n]
-        t0 = seg[0].arrival_s
+    for c, convs in zip(concurrencies, sample.levels, strict=True):
+        t0 = min(conv[0].arrival_s for conv in convs)
         levels[c] = [
             Session(
-                f"c{c}-r{i + k}",
-                (r.arrival_s - t0) if spec.use_timestamps else 0.0,
-                [Turn(r.token_ids(vocab_size).tolist(), min(r.output_len, spec.max_output_tokens))],
+                f"c{c}-g{conv[0].session_id}",
+                conv[0].arrival_s - t0 if ts else 0.0,
+                # a later turn waits for the one before it, then for the trace's gap between their arrivals
+                [Turn(r.token_ids(vocab_size).tolist(), min(r.output_len, spec.max_output_tokens),
+                      r.arrival_s - prev.arrival_s if ts and prev is not None else 0.0)
+                 for prev, r in zip([None, *conv], conv, strict=False)],
             )
-            for k, r in enumerate(seg)
-        ]
-        i += n
+            for conv in convs
+        ]  # fmt: skip
     declared = {
         "kind": "trace",
         **asdict(spec),
         "path": str(path),
+        "length_scale_replayed": scale,
+        "length_scale_note": note,
         "block_tokens": scaling.block_tokens,
-        "requests_per_level": {str(c): n for c, n in zip(concurrencies, counts, strict=True)},
+        "level_min_prompt_tokens": level_tokens,
+        "sample": sample.summary(),
+        "requests_per_level": {str(c): n for c, n in zip(concurrencies, map(_requests, sample.levels), strict=True)},
     }
     return BenchWorkload(f"trace:{path.name}", declared, prelude, levels)
 
 
+def _requests(conversations: list[list]) -> int:
+    return sum(map(len, conversations))
+
+
+def apply_utilisation(w: BenchWorkload, prefill_tokens_per_s: float, target: float) -> float | None:
+    """Scale a trace replay's times so that recomputing its levels' prompts at the measured prefill speed would
+    keep the engine `target` busy over their arrival spans; returns the factor applied (also declared)."""
+    span = work = 0.0
+    for sessions in w.levels.values():
+        span += max((s.arrival_s + sum(t.think_s for t in s.turns[1:]) for s in sessions), default=0.0)
+        work += sum(len(t.tokens) for s in sessions for t in s.turns) / prefill_tokens_per_s
+    factor = utilisation_time_factor(span, work, target)
+    if factor is None:
+        return None
+    for sessions in w.levels.values():
+        for s in sessions:
+            s.arrival_s *= factor
+            for t in s.turns:
+                t.think_s *= factor
+    w.declared["time_scale"] = w.declared.get("time_scale", 1.0) * factor
+    w.declared["utilisation_time_factor"] = factor
+    return factor
+
+
 def reuse_summary(w: BenchWorkload, chunk_tokens: int) -> dict:
-    """Share of measured prompt tokens that the prelude (or an earlier request) holds as whole chunks."""
-    seen: set[bytes] = set()
+    """Share of measured prompt tokens that the prelude (or an earlier request) holds as whole chunks: the
+    prefix-cache model (`workload.prefix_cache`) on the replayed tokens' chunks, with an unbounded cache."""
 
     def chunk_ids(tokens: list[int]) -> list[bytes]:
         arr = np.asarray(tokens, dtype=np.int64)
@@ -259,18 +317,9 @@ def reuse_summary(w: BenchWorkload, chunk_tokens: int) -> dict:
             out.append(h)
         return out
 
-    for s in w.prelude:
-        for t in s.turns:
-            seen.update(chunk_ids(t.tokens))
-    reusable = total = 0
-    for c in w.levels:
-        for s in w.levels[c]:
-            for t in s.turns:
-                ids = chunk_ids(t.tokens)
-                n = 0
-                while n < len(ids) and ids[n] in seen:
-                    n += 1
-                reusable += n * chunk_tokens
-                total += len(t.tokens)
-                seen.update(ids)
+    prelude = [t.tokens for s in w.prelude for t in s.turns]
+    measured = [t.tokens for c in w.levels for s in w.levels[c] for t in s.turns]
+    hits = prefix_hits(chunk_ids(t) for t in [*prelude, *measured])[len(prelude) :]
+    reusable = chunk_tokens * sum(hits)
+    total = sum(map(len, measured))
     return {"prompt_tokens": total, "reusable_tokens": reusable, "reusable_share": reusable / total if total else 0.0}
