@@ -20,6 +20,22 @@ def analyse_file(path: Path, hub_fanout: int = HUB_FANOUT) -> TraceAnalysis:
     return analyse(read_mooncake_trace(path), hub_fanout)
 
 
+def bench_preamble(
+    trace: Path, length_scale: float | None, chunk_tokens: int, window_start: float, max_prompt_tokens: int
+) -> list[str]:
+    """What `kvprefetch bench --trace` prints before it starts anything: a length-scale correction, if one is
+    needed, and the trace's analysis. Raises ValueError (a scale it cannot correct, a bad rule, a bad trace)
+    or OSError (no such file)."""
+    from kvprefetch.bench.workloads import find_trace
+    from kvprefetch.workload.sampling import SampleRule, fit_block_tokens
+
+    _, note = fit_block_tokens(length_scale, chunk_tokens)
+    SampleRule(window_start, max_prompt_tokens)
+    path = find_trace(trace)
+    lines = [f"--trace-length-scale: {note}"] if note else []
+    return [*lines, f"trace {path}:", *(f"  {line}" for line in analyse_file(path).lines())]
+
+
 def plot_analysis(analysis: TraceAnalysis, trace: Path, path: Path) -> Path:
     """Hit ratio against LRU cache size, beside the published points when we know the trace."""
     from kvprefetch.sim.hitratio import published_for

@@ -225,20 +225,14 @@ def register(app: typer.Typer) -> None:
         opts.chat = replace(opts.chat, **chat_kw)
         opts.chunk_tokens = chunk_tokens or (128 if trace is not None else 256)
         if trace is not None:
-            from kvprefetch.trace_cli import analyse_file
-            from kvprefetch.workload.sampling import SampleRule, fit_block_tokens
+            from kvprefetch.trace_cli import bench_preamble
 
             try:
-                _, note = fit_block_tokens(trace_length_scale, opts.chunk_tokens)
-                SampleRule(trace_window_start, trace_max_prompt_tokens)
-                analysis = analyse_file(trace)
+                for line in bench_preamble(trace, trace_length_scale, opts.chunk_tokens, trace_window_start,
+                                           trace_max_prompt_tokens):  # fmt: skip
+                    console.print(line, markup=False)
             except (ValueError, OSError) as err:
                 raise typer.BadParameter(str(err)) from None
-            if note:
-                console.print(f"[yellow]--trace-length-scale: {note}[/yellow]")
-            console.print(f"[bold]trace[/bold] {trace}:")
-            for line in analysis.lines():
-                console.print(f"  {line}")
             opts.trace = TraceBench(path=str(trace), length_scale=trace_length_scale, chunk_tokens=opts.chunk_tokens,
                                     time_scale=trace_time_scale, use_timestamps=trace_timestamps,
                                     utilisation=trace_utilisation or None, window_start=trace_window_start,
