@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from tests.clitext import flat
@@ -174,3 +175,14 @@ def test_trace_command_writes_json_and_a_plot(trace_file, tmp_path):
     bad.write_text('{"timestamp": 1}\n')
     res = CliRunner().invoke(app, ["trace", str(bad)])
     assert res.exit_code == 2 and "not a Mooncake trace line" in flat(res.output)
+
+
+TRACE = Path(__file__).resolve().parents[2] / "../shared/data/mooncake/synthetic_trace.jsonl"
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="Mooncake trace not present")
+def test_the_bench_sample_of_the_public_trace_keeps_its_reuse():
+    w = trace_workload(TraceBench(path=str(TRACE), min_requests=4, requests_per_concurrency=1.0), [2, 8], 4096)
+    sample = w.declared["sample"]
+    assert abs(sample["sample_ideal_hit_ratio"] / sample["full_trace_ideal_hit_ratio"] - 1) <= 0.2
+    assert w.declared["block_tokens"] == 128 and w.max_len() <= 2048 + 16
