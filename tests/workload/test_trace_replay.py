@@ -16,7 +16,7 @@ from kvprefetch.cli import app
 from kvprefetch.workload import ChatWorkload, generate_chat, read_mooncake_trace
 from kvprefetch.workload.analysis import analyse, ideal_hits, prefix_groups
 from kvprefetch.workload.prefix_cache import prefix_hits
-from kvprefetch.workload.sampling import LevelNeed, SampleRule, fit_block_tokens, sample_conversations
+from kvprefetch.workload.sampling import LevelNeed, SampleRule, fit_block_tokens, sample_conversations, spaced_order
 
 # 150 conversations of 1-6 turns sharing a 3-block system prompt, starting over ~25 minutes, minutes between turns
 CHAT = ChatWorkload(sessions=150, turns=6, system_tokens=3 * 512, first_user_tokens=2000, user_tokens=700,
@@ -186,3 +186,30 @@ def test_the_bench_sample_of_the_public_trace_keeps_its_reuse():
     sample = w.declared["sample"]
     assert abs(sample["sample_ideal_hit_ratio"] / sample["full_trace_ideal_hit_ratio"] - 1) <= 0.2
     assert w.declared["block_tokens"] == 128 and w.max_len() <= 2048 + 16
+
+
+def test_replay_without_timestamps_spaces_a_conversations_turns_and_keeps_their_order(trace_file):
+    reqs = read_mooncake_trace(trace_file)
+    sample = sample_conversations(reqs, [LevelNeed(8, 60_000)], SampleRule(window_start=0.3, max_prompt_tokens=10**6))
+    level = sample.levels[0]
+    gap = 6000
+    order = spaced_order(level, gap)
+    assert sorted(map(id, order)) == sorted(id(r) for conv in level for r in conv)
+    conv_of = {id(r): i for i, conv in enumerate(level) for r in conv}
+    for i, conv in enumerate(level):
+        assert [r for r in order if conv_of[id(r)] == i] == conv  # each conversation in trace order
+    # two turns of one conversation closer than the gap only where nothing else could go in between
+    tokens, last, close = 0, {}, 0
+    for k, r in enumerate(order):
+        c = conv_of[id(r)]
+        if c in last and tokens - last[c] < gap:
+            close += 1
+            waiting = {conv_of[id(x)] for x in order[k:]}
+            assert all(tokens - last.get(o, -gap) < gap for o in waiting)
+        tokens += r.input_len
+        last[c] = tokens
+    assert close < sum(len(conv) - 1 for conv in level) / 2
+    # the bench replays that order, one request a session
+    w = trace_workload(TraceBench(path=str(trace_file), engine_kv_tokens=gap, level_tokens=60_000,
+                                  max_prompt_tokens=10**6), [8], vocab_size=500)  # fmt: skip
+    assert all(len(s.turns) == 1 and s.arrival_s == 0.0 for s in w.levels[8])

@@ -14,8 +14,9 @@ measured requests then reuse it, and each adds new tokens of its own that nothin
   cache for the next.
 * **trace**: a Mooncake-format trace (``hash_ids`` -> identical token blocks), lengths scaled so a trace block
   stays a whole number of chunks. Each level replays whole conversations (prefix groups) from the trace's
-  window, in trace order; the prelude is what those conversations held before the window
-  (`kvprefetch.workload.sampling`).
+  window, in trace order, with at least the engine's KV cache of other prompts between two turns of one
+  conversation (as the trace's other traffic would); the prelude is what those conversations held before the
+  window (`kvprefetch.workload.sampling`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kvprefetch.workload.sampling import (
     SampleRule,
     fit_block_tokens,
     sample_conversations,
+    spaced_order,
     utilisation_time_factor,
 )
 
@@ -253,20 +255,12 @@ def trace_workload(spec: TraceBench, concurrencies: list[int], vocab_size: int) 
     rule = SampleRule(spec.window_start, spec.max_prompt_tokens, strata=spec.strata, seed=spec.seed)
     sample = sample_conversations(reqs, needs, rule)
     prelude = [Session(f"p{k}", 0.0, [Turn(r.token_ids(vocab_size).tolist(), 1)]) for k, r in enumerate(sample.prelude)]
-    ts = spec.use_timestamps
     levels: dict[int, list[Session]] = {}
     for c, convs in zip(concurrencies, sample.levels, strict=True):
-        t0 = min(conv[0].arrival_s for conv in convs)
-        levels[c] = [
-            Session(
-                f"c{c}-g{conv[0].session_id}",
-                conv[0].arrival_s - t0 if ts else 0.0,
-                # a later turn waits for the one before it, then for the trace's gap between their arrivals
-                [Turn(r.token_ids(vocab_size).tolist(), min(r.output_len, spec.max_output_tokens),
-                      r.arrival_s - prev.arrival_s if ts and prev is not None else 0.0)
-                 for prev, r in zip([None, *conv], conv, strict=False)],
-            )
-            for conv in convs
+        levels[c] = _conversation_sessions(c, convs, spec, vocab_size) if spec.use_timestamps else [
+            Session(f"c{c}-r{r.session_id}", 0.0, [Turn(r.token_ids(vocab_size).tolist(),
+                                                          min(r.output_len, spec.max_output_tokens))])
+            for r in spaced_order(convs, kv)
         ]  # fmt: skip
     declared = {
         "kind": "trace",
@@ -280,6 +274,19 @@ def trace_workload(spec: TraceBench, concurrencies: list[int], vocab_size: int) 
         "requests_per_level": {str(c): n for c, n in zip(concurrencies, map(_requests, sample.levels), strict=True)},
     }
     return BenchWorkload(f"trace:{path.name}", declared, prelude, levels)
+
+
+def _conversation_sessions(c: int, convs: list[list], spec: TraceBench, vocab_size: int) -> list[Session]:
+    """With timestamps: one session a conversation, arriving when it does in the trace (relative to the level's
+    first); a later turn waits for the one before it, then for the trace's gap between their arrivals."""
+    t0 = min(conv[0].arrival_s for conv in convs)
+    return [
+        Session(f"c{c}-g{conv[0].session_id}", conv[0].arrival_s - t0,
+                [Turn(r.token_ids(vocab_size).tolist(), min(r.output_len, spec.max_output_tokens),
+                      r.arrival_s - prev.arrival_s if prev is not None else 0.0)
+                 for prev, r in zip([None, *conv], conv, strict=False)])
+        for conv in convs
+    ]  # fmt: skip
 
 
 def _requests(conversations: list[list]) -> int:

@@ -255,6 +255,35 @@ def sample_conversations(requests: Sequence[Request], needs: Sequence[LevelNeed]
     )
 
 
+def spaced_order(conversations: Sequence[Sequence[Request]], min_gap: int) -> list[Request]:
+    """A level's requests one after another for a replay without timestamps, each conversation's in trace
+    order: next goes the conversation that has the most requests left among those whose previous request lies
+    at least `min_gap` prompt tokens of other requests back (ties: trace order), so long conversations
+    spread over the whole level; when none can go, the earliest waiting request goes anyway.
+
+    In the trace, minutes of everybody else's traffic pass between two turns of a conversation, so the
+    engine's own KV cache has long moved on and the tiers serve the reuse; replayed back to back, the
+    engine would still hold the previous turn and every mode would measure the same thing.
+    """
+    pending = sorted((r for conv in conversations for r in conv), key=lambda r: r.arrival_s)
+    conv_of = {id(r): i for i, conv in enumerate(conversations) for r in conv}
+    placed_at: dict[int, int] = {}  # conversation -> prompt tokens placed when its last request was
+    left = [len(conv) for conv in conversations]
+    out: list[Request] = []
+    tokens = 0
+    while pending:
+        heads: dict[int, int] = {}  # conversation -> index in pending of its next request
+        for j, r in enumerate(pending):
+            heads.setdefault(conv_of[id(r)], j)
+        ready = [(-left[c], j) for c, j in heads.items() if tokens - placed_at.get(c, -min_gap) >= min_gap]
+        r = pending.pop(min(ready)[1] if ready else min(heads.values()))
+        left[conv_of[id(r)]] -= 1
+        tokens += r.input_len
+        placed_at[conv_of[id(r)]] = tokens
+        out.append(r)
+    return out
+
+
 def utilisation_time_factor(span_s: float, work_s: float, target: float) -> float | None:
     """The factor on a level's trace times that loads the engine to `target`: its work (seconds of engine
     time) over the compressed span. None when the level has no span to scale (one arrival)."""
