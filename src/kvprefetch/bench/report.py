@@ -8,6 +8,7 @@ from typing import Any
 
 from kvprefetch.bench.modes import known_failure
 from kvprefetch.bench.rounds import paired
+from kvprefetch.bench.stats import ratio
 from kvprefetch.sim.calibration import engine_calibrations
 
 WHITEPAPER = {
@@ -386,10 +387,11 @@ def _declared(w: dict) -> str:
 
 
 def achieved_hit_ratios(rows: list[dict]) -> dict[str, float]:
-    """Each mode's hit ratio over all its levels (weighted by their prompt tokens)."""
+    """Each mode's hit ratio over all its levels (weighted by their prompt tokens), in the run's own regime."""
+    own = [r for r in _ok(rows) if r.get("regime") == regimes_of(rows)[0]]
     out: dict[str, float] = {}
-    for m in dict.fromkeys(r["mode"] for r in _ok(rows)):
-        cells = [r for r in _ok(rows) if r["mode"] == m and r.get("prompt_tokens")]
+    for m in dict.fromkeys(r["mode"] for r in own):
+        cells = [r for r in own if r["mode"] == m and r.get("prompt_tokens")]
         tokens = sum(r["prompt_tokens"] for r in cells)
         if tokens:
             out[m] = sum(r.get("hit_ratio", 0.0) * r["prompt_tokens"] for r in cells) / tokens
