@@ -23,6 +23,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvprefetch.tiers.access import resolve_group
+
 TierName = Literal["dram", "disk", "remote"]
 
 
@@ -161,6 +163,18 @@ class StoreConfig(BaseSettings):
     disk: DiskConfig = Field(default_factory=DiskConfig)
     io: IOConfig = Field(default_factory=IOConfig)
     remote: RemoteConfig = Field(default_factory=RemoteConfig)
+    share_group: str | int | None = Field(
+        default=None,
+        description="Unix group (name or gid) whose members share this node's cache: DRAM pool 0660, disk tier"
+        " directories 2770, chunk files 0640, all of that group. None: private to this user (0600/0700/0600).",
+    )
+
+    @field_validator("share_group")
+    @classmethod
+    def _group_exists(cls, group: str | int | None) -> str | int | None:
+        if group is not None:
+            resolve_group(group)
+        return group
 
     @model_validator(mode="after")
     def _dram_first(self) -> StoreConfig:

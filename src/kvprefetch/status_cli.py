@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvprefetch.config import ConfigError, StoreConfig
+from kvprefetch.tiers.access import FileAccess
 from kvprefetch.tiers.disk import DiskTier
 from kvprefetch.tiers.dram import SHM_DIR, SharedChunkPool, hugetlbfs_mount
 
@@ -34,11 +35,12 @@ def status(
     except ConfigError as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
+    access = FileAccess.for_group(cfg.share_group)
     report: dict = {"pools": [], "disk": None}
     for path in pools_on_node():
         name = path.name.removeprefix("kvprefetch-").removesuffix(".pool")
         try:
-            pool = SharedChunkPool.attach(name, path.parent)
+            pool = SharedChunkPool.attach(name, path.parent, access)
         except (OSError, ValueError) as err:
             report["pools"].append({"name": name, "path": str(path), "error": str(err)})
             continue
@@ -48,7 +50,7 @@ def status(
             stats["processes"] -= 1  # not counting this command
             report["pools"].append({"path": str(path), "reaped_dead_processes": reaped, **stats})
     if cfg.disk_enabled and cfg.disk.path.exists():
-        report["disk"] = DiskTier(cfg.disk.path, int(cfg.disk.capacity_bytes)).stats()
+        report["disk"] = DiskTier(cfg.disk.path, int(cfg.disk.capacity_bytes), access=access).stats()
     if as_json:
         print(json.dumps(report, indent=2))
         return

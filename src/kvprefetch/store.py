@@ -26,6 +26,7 @@ import numpy as np
 from kvprefetch.config import StoreConfig
 from kvprefetch.crashpoints import crash_point
 from kvprefetch.io.engine import IOClass, IOEngine, IOTicket
+from kvprefetch.tiers.access import FileAccess
 from kvprefetch.tiers.chunk_format import HEADER_BYTES, CorruptChunk, image_bytes, write_header
 from kvprefetch.tiers.disk import ChunkMissing, DiskTier, aligned_buffer
 from kvprefetch.tiers.dram import SHM_DIR, SharedChunkPool, pool_directory
@@ -123,13 +124,14 @@ class TieredStore:
         self.config = config
         self.chunk_bytes = chunk_bytes
         self.image_bytes = image_bytes(chunk_bytes)
-        self.dram = open_pool(config, self.image_bytes)
+        self.access = FileAccess.for_group(config.share_group)
+        self.dram = open_pool(config, self.image_bytes, self.access)
         self.disk: DiskTier | None = None
         if config.disk_enabled:
             d = config.disk
             staging = StagingBuffers(self.image_bytes, config.io.threads) if d.staging == "auto" else None
             self.disk = DiskTier(
-                d.path, int(d.capacity_bytes), d.direct_io, d.fsync, staging, int(d.read_inflight_bytes)
+                d.path, int(d.capacity_bytes), d.direct_io, d.fsync, staging, int(d.read_inflight_bytes), self.access
             )
         self.remote: RemoteTier | None = None
         if config.remote_enabled:
@@ -573,12 +575,16 @@ class TieredStore:
         self.close()
 
 
-def open_pool(config: StoreConfig, slot_bytes: int) -> SharedChunkPool:
+def open_pool(config: StoreConfig, slot_bytes: int, access: FileAccess) -> SharedChunkPool:
     """Open (or create) the node's DRAM pool for this config, on huge pages where configured and possible."""
     d = config.dram
     directory = pool_directory(d.pool_name, d.backing, int(d.capacity_bytes))
     kwargs = dict(
-        slot_bytes=slot_bytes, capacity_bytes=int(d.capacity_bytes), max_procs=d.max_processes, hugepages=d.hugepages
+        slot_bytes=slot_bytes,
+        capacity_bytes=int(d.capacity_bytes),
+        max_procs=d.max_processes,
+        hugepages=d.hugepages,
+        access=access,
     )
     try:
         return SharedChunkPool(d.pool_name, directory=directory, **kwargs)

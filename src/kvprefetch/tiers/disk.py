@@ -6,6 +6,10 @@ an atomic commit (write a temp file, fsync, rename), eviction by unlink, safe sh
 and an index rebuilt on restart by listing the directory. A crash can leave only a temp file, which recovery
 removes; a committed file carries its key and checksums, so a torn, truncated, flipped or foreign file reads
 as a miss and is removed, never returned.
+
+The files are as private as the prompts they were computed from (see `tiers.access`): chunk files 0600 and
+directories 0700 whatever the umask, or group-shared when configured; a file this tier did not write (another
+user's, or one others may write) is never trusted, never read and never removed, only counted and logged once.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from kvprefetch.crashpoints import crash_point
+from kvprefetch.tiers.access import PRIVATE, FileAccess
 from kvprefetch.tiers.chunk_format import (
     ALIGN,
     HEADER_BYTES,
@@ -50,6 +55,11 @@ class ChunkMissing(KeyError):
     """The chunk is not (or no longer) on disk."""
 
 
+class ForeignChunk(ChunkMissing):
+    """A file under the chunk's name that this tier did not write (another owner, or writable by others):
+    a miss, and left where it is."""
+
+
 def aligned_buffer(nbytes: int) -> memoryview:
     """Page-aligned anonymous memory, as O_DIRECT needs."""
     return memoryview(mmap.mmap(-1, max(ALIGN, nbytes)))[:nbytes]
@@ -66,8 +76,10 @@ class DiskTier:
         fsync: bool = True,
         staging: StagingBuffers | None = None,
         read_inflight_bytes: int | None = None,
+        access: FileAccess = PRIVATE,
     ):
         self.root = Path(root)
+        self.access = access
         self.staging = staging
         self.read_gate = InflightBytes(read_inflight_bytes) if read_inflight_bytes else None
         self.capacity_bytes = int(capacity_bytes)
@@ -77,8 +89,12 @@ class DiskTier:
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, LRU first
         self.used_bytes = 0
         self.counters = {"corrupt": 0, "foreign": 0, "temp_removed": 0, "evicted": 0, "write_errors": 0}
+        self._foreign_seen: set[str] = set()
+        self._reported: set[str] = set()
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.parent.mkdir(parents=True, exist_ok=True)
+            access.make_dir(self.root)
+            self._check_dir(self.root)
             probe = self.root / f".probe.{os.getpid()}"
             probe.write_bytes(b"")
             probe.unlink()
@@ -93,17 +109,27 @@ class DiskTier:
 
     # ---- recovery ----------------------------------------------------------------------------------------
     def recover(self) -> int:
-        """Rebuild the index from the directory; remove temp files of dead writers and damaged files."""
+        """Rebuild the index from the directory; remove temp files of dead writers and damaged files.
+
+        Directories are brought to the configured mode (tightened where this user owns them, reported
+        where not), and so are this user's chunk files; files this tier did not write are skipped.
+        """
         found: list[tuple[float, bytes, int]] = []
-        for sub in self.root.iterdir():
-            if not sub.is_dir() or len(sub.name) != 2:
+        tightened = 0
+        for sub in os.scandir(self.root):
+            if not sub.is_dir(follow_symlinks=False) or len(sub.name) != 2:
                 if not sub.name.startswith("."):
-                    self._foreign(sub)
+                    self._foreign(Path(sub.path), "not a chunk name")
                 continue
+            self._check_dir(Path(sub.path))
             for entry in os.scandir(sub):
                 name = entry.name
                 if _CHUNK_NAME.match(name):
-                    st = entry.stat()
+                    st = entry.stat(follow_symlinks=False)
+                    if (why := self.access.distrust(st)) is not None:
+                        self._foreign(Path(entry.path), why)
+                        continue
+                    tightened += self.access.tighten_file(Path(entry.path), st)
                     if st.st_size < HEADER_BYTES or st.st_size % ALIGN:
                         self._remove(Path(entry.path), "corrupt", f"size {st.st_size} is not a chunk image")
                         continue
@@ -114,7 +140,10 @@ class DiskTier:
                         self._remove(Path(entry.path), "temp_removed", "left by a writer that died")
                         crash_point("disk.recover.temp_removed")
                 else:
-                    self._foreign(Path(entry.path))
+                    self._foreign(Path(entry.path), "not a chunk name")
+        if tightened:
+            log.warning("disk tier %s: tightened %d chunk files open to other users to %04o", self.root, tightened,
+                        self.access.file_mode)  # fmt: skip
         found.sort()
         with self._lock:
             self._index.clear()
@@ -127,9 +156,21 @@ class DiskTier:
         self._evict_to(self.capacity_bytes)
         return len(found)
 
-    def _foreign(self, path: Path) -> None:
+    def _check_dir(self, path: Path) -> None:
+        if (finding := self.access.enforce_dir(path)) is not None:
+            log.warning("disk tier: %s", finding)
+
+    def _foreign(self, path: Path, why: str) -> None:
+        """Count a file this tier did not write, once per file; log the first for each reason; leave it alone."""
+        if str(path) in self._foreign_seen:
+            return
+        self._foreign_seen.add(str(path))
         self.counters["foreign"] += 1
-        log.warning("disk tier %s: ignoring foreign file %s (not a chunk name)", self.root, path)
+        kind = re.sub(r"\d+", "N", why)
+        if kind not in self._reported:
+            self._reported.add(kind)
+            log.warning("disk tier %s: ignoring foreign file %s (%s); further ones are only counted (foreign in"
+                        " its stats)", self.root, path, why)  # fmt: skip
 
     def _remove(self, path: Path, counter: str, why: str) -> None:
         self.counters[counter] += 1
@@ -143,10 +184,15 @@ class DiskTier:
         with self._lock:
             if key in self._index:
                 return True
+        path = self.path_of(key)
         try:
-            size = self.path_of(key).stat().st_size
+            st = os.stat(path, follow_symlinks=False)
         except FileNotFoundError:
             return False
+        if (why := self.access.distrust(st)) is not None:
+            self._foreign(path, why)
+            return False
+        size = st.st_size
         with self._lock:
             if key not in self._index:
                 self._index[key] = size
@@ -171,16 +217,28 @@ class DiskTier:
     def read_into(self, key: bytes, image: memoryview, verify: bool = True) -> int:
         """Read key's whole image into `image` (4 KiB aligned for O_DIRECT) and verify it; return payload size.
 
-        Raises ChunkMissing for a missing file and CorruptChunk (after removing the file) for a bad one.
+        Raises ChunkMissing for a missing file, ForeignChunk for one this tier did not write (left in place),
+        and CorruptChunk (after removing the file) for a bad one.
         """
         path = self.path_of(key)
         try:
-            fd = self._open(path, os.O_RDONLY)
+            fd = self._open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
             self._forget(key)
             raise ChunkMissing(key.hex()) from None
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            self._forget(key)
+            self._foreign(path, "a symbolic link")
+            raise ForeignChunk(key.hex()) from None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if (why := self.access.distrust(st)) is not None:  # on the open file: no race with a swap
+                self._forget(key)
+                self._foreign(path, why)
+                raise ForeignChunk(key.hex())
+            size = st.st_size
             if size > len(image):
                 raise CorruptChunk(f"file of {size} B larger than the {len(image)} B buffer")
             header = self._read_verified(fd, image[:size], key, verify)
@@ -229,16 +287,16 @@ class DiskTier:
         buf = aligned_buffer(image_bytes(nbytes_hint))
         return buf, self.read_into(key, buf)
 
-    def _open(self, path: Path, flags: int) -> int:
+    def _open(self, path: Path, flags: int, mode: int = 0o600) -> int:
         if self.direct_io:
             try:
-                return os.open(path, flags | os.O_DIRECT)
+                return os.open(path, flags | os.O_DIRECT, mode)
             except OSError as err:
                 if err.errno != errno.EINVAL:
                     raise
                 log.info("disk tier %s: O_DIRECT not supported here, using buffered I/O", self.root)
                 self.direct_io = False
-        return os.open(path, flags)
+        return os.open(path, flags, mode)
 
     # ---- writes ------------------------------------------------------------------------------------------
     def write(self, key: bytes, image: memoryview) -> None:
@@ -248,11 +306,12 @@ class DiskTier:
             raise DiskFullError(errno.ENOSPC, f"chunk of {size} B exceeds the disk tier capacity")
         self._evict_to(self.capacity_bytes - size)
         final = self.path_of(key)
-        final.parent.mkdir(exist_ok=True)
+        self.access.make_dir(final.parent)
         temp = final.parent / f".{key.hex()}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            fd = self._open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            fd = self._open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, self.access.file_mode)
             try:
+                self.access.set_fd(fd)
                 done = 0
                 while done < size:
                     done += os.pwritev(fd, [image[done:]], done)

@@ -26,6 +26,7 @@ See kvprefetch.crashpoints and tests/store/test_crash_points.py, which kill a pr
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import mmap
 import os
@@ -39,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from kvprefetch.crashpoints import crash_point
+from kvprefetch.tiers.access import PRIVATE, FileAccess, PoolAccessError
 from kvprefetch.tiers.chunk_format import ALIGN, HEADER_BYTES, CorruptChunk, align_up, verify_image
 
 POOL_MAGIC = b"KVPFPOOL"
@@ -132,6 +134,15 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def _open_pool_file(path: Path, access: FileAccess) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, access.pool_mode)
+    except OSError as err:
+        if err.errno != errno.ELOOP:
+            raise
+        raise PoolAccessError(f"DRAM pool {path} is a symbolic link: refused (it may point at any file)") from None
+
+
 class SharedChunkPool:
     """A node-wide pool of fixed-size chunk slots with LRU eviction and per-process pins."""
 
@@ -143,6 +154,7 @@ class SharedChunkPool:
         max_procs: int = 64,
         hugepages: bool = True,
         directory: str | os.PathLike = SHM_DIR,
+        access: FileAccess = PRIVATE,
     ):
         slot_bytes = align_up(slot_bytes, ALIGN)
         n_slots = capacity_bytes // slot_bytes
@@ -155,8 +167,9 @@ class SharedChunkPool:
         self.wait_timeouts = 0  # reads that gave up waiting on a WRITING slot: a writer that neither commits nor dies
         self.path = Path(directory) / f"kvprefetch-{name}.pool"
         self._tlock = threading.RLock()
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._fd = _open_pool_file(self.path, access)
         try:
+            access.adopt_pool(self._fd, self.path)  # someone else's pool (or a link to one) is refused
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
                 created = self._map_or_init(PoolGeometry(slot_bytes, n_slots, max_procs), hugepages)
@@ -172,7 +185,9 @@ class SharedChunkPool:
         self._closed = False
 
     @classmethod
-    def attach(cls, name: str, directory: str | os.PathLike = SHM_DIR) -> SharedChunkPool:
+    def attach(
+        cls, name: str, directory: str | os.PathLike = SHM_DIR, access: FileAccess = PRIVATE
+    ) -> SharedChunkPool:
         """Attach to an existing pool with whatever geometry it has (for inspection tools)."""
         path = Path(directory) / f"kvprefetch-{name}.pool"
         with open(path, "rb") as f:
@@ -182,7 +197,7 @@ class SharedChunkPool:
         magic, version, max_procs, slot_bytes, n_slots, _data, _tick = _SUPER.unpack(head)
         if magic != POOL_MAGIC or version != POOL_VERSION:
             raise PoolGeometryError(f"{path} is not a kvprefetch pool (or an older version)")
-        return cls(name, slot_bytes, slot_bytes * n_slots, max_procs, hugepages=False, directory=directory)
+        return cls(name, slot_bytes, slot_bytes * n_slots, max_procs, False, directory, access)
 
     # ---- setup -------------------------------------------------------------------------------------------
     def _map_or_init(self, want: PoolGeometry, hugepages: bool) -> bool:
