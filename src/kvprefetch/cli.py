@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -145,7 +146,20 @@ def _register_subcommands() -> None:
 _register_subcommands()
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM end a command the way Ctrl-C does: by an exception, so that the `finally` blocks that remove
+    what it made (DRAM pools, engine processes, temp dirs, cgroups) run as on a normal exit. A second SIGTERM
+    kills at once."""
+
+    def handler(signum: int, _frame) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main() -> None:
+    exit_on_sigterm()
     try:
         app()
     except ConfigError as err:

@@ -63,6 +63,14 @@ class DramConfig(_Section):
         default="auto", description="auto: hugetlbfs when mounted with enough free huge pages, else /dev/shm."
     )
     max_processes: int = Field(default=64, ge=1, le=4096, description="Processes that may attach at once.")
+    keep_idle_s: float | None = Field(
+        default=0.0,
+        ge=0,
+        description="How long the pool outlives its last process, for a warm restart: 0 (default) frees its RAM"
+        " when the last process detaches, like vLLM's own memory (the disk tier still holds every chunk); N keeps"
+        " it N seconds (removed by the next attach or `kvprefetch status` after that); null keeps it until"
+        " `kvprefetch status --remove/--gc`.",
+    )
 
 
 class DiskConfig(_Section):

@@ -585,6 +585,7 @@ def open_pool(config: StoreConfig, slot_bytes: int, access: FileAccess) -> Share
         max_procs=d.max_processes,
         hugepages=d.hugepages,
         access=access,
+        keep_idle_s=d.keep_idle_s,
     )
     try:
         return SharedChunkPool(d.pool_name, directory=directory, **kwargs)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +22,19 @@ def chunk_payload(key: bytes, nbytes: int = CHUNK_BYTES) -> np.ndarray:
     """Deterministic bytes for a key, so any reader can tell whether it got the right chunk."""
     seed = int.from_bytes(key[:8], "little")
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mnt: Path, size: str):
+    """A tmpfs of `size` at mnt for the block (skips the test unless root can mount one)."""
+    mnt.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)]
+    if os.geteuid() != 0 or subprocess.run(mount).returncode:
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 @pytest.fixture

@@ -39,7 +39,9 @@ def payload(key: bytes) -> np.ndarray:
 
 def config(disk: str, pool: str, disk_capacity: int = 1 << 30) -> StoreConfig:
     return StoreConfig.load(
-        dram={"capacity_bytes": POOL_SLOTS * image_bytes(CHUNK), "pool_name": pool},
+        # kept across the kills (keep_idle_s None): the restart must find what the dead left in the pool, which
+        # the default policy (0) would discard as idle once every process attached to it has died
+        dram={"capacity_bytes": POOL_SLOTS * image_bytes(CHUNK), "pool_name": pool, "keep_idle_s": None},
         disk={"path": disk, "capacity_bytes": disk_capacity},
         io={"threads": 2},
     )

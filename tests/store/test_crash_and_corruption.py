@@ -17,7 +17,7 @@ from kvprefetch.bench.hugepages import reserved_huge_pages
 from kvprefetch.tiers.disk import DiskFullError, DiskTier
 from kvprefetch.tiers.dram import SHM_DIR
 
-from .conftest import CHUNK_BYTES, chunk_payload
+from .conftest import CHUNK_BYTES, chunk_payload, mounted_tmpfs
 from .crash_harness import read_all_valid
 
 WRITER = Path(__file__).with_name("crash_writer.py")
@@ -139,12 +139,8 @@ def test_recovery_skips_damaged_and_foreign_files(tmp_path, disk_with_chunks):
 
 @pytest.fixture
 def tiny_fs(tmp_path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mnt)]).returncode:
-        pytest.skip("needs root to mount a small tmpfs")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with mounted_tmpfs(tmp_path / "tiny", "400k") as mnt:
+        yield mnt
 
 
 def test_disk_full_fails_the_writeback_cleanly_and_dram_keeps_serving(open_store, keyer, tiny_fs):

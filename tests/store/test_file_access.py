@@ -161,7 +161,8 @@ def test_a_symlink_under_a_chunk_name_is_a_miss(open_store, keyer, tmp_path):
 
 
 def _pool(directory: Path, access: FileAccess = PRIVATE) -> SharedChunkPool:
-    return SharedChunkPool("access-test", slot_bytes=8192, capacity_bytes=4 * 8192, directory=directory, access=access)
+    return SharedChunkPool("access-test", slot_bytes=8192, capacity_bytes=4 * 8192, directory=directory, access=access,
+                           keep_idle_s=None)  # fmt: skip
 
 
 @needs_root

@@ -36,7 +36,11 @@ class EngineProcess:
         self._q: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         threading.Thread(target=self._pump, daemon=True).start()
-        self.ready = self._wait(start_timeout)
+        try:
+            self.ready = self._wait(start_timeout)
+        except BaseException:  # a failed start, or this process interrupted (SIGINT/SIGTERM) while waiting
+            self.kill()
+            raise
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
@@ -93,6 +97,12 @@ class EngineProcess:
         if "error" in msg:
             raise EngineError(msg["error"] + ("\n" + msg["trace"] if msg.get("trace") else ""))
         return msg
+
+    def kill(self) -> None:
+        """End the engine now (SIGKILL), as when this process is interrupted: no graceful exit to wait for."""
+        self.proc.kill()
+        self.proc.wait()
+        self._log.close()
 
     def close(self) -> None:
         if self.proc.poll() is None:

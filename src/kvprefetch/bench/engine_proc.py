@@ -543,7 +543,7 @@ def disk_read_bandwidth(max_chunks: int, seconds: float, rate_limit_bps: int | N
     from kvprefetch.store import TieredStore
 
     cfg = c.store.config
-    name = f"kvb-probe-{os.getpid()}-{random.randrange(1 << 30):x}"
+    name = f"{c.store.dram.name}-probe-{random.randrange(1 << 30):x}"  # the bench removes its pools by prefix
     cfg = cfg.model_copy(update={"dram": cfg.dram.model_copy(update={"pool_name": name, "backing": "shm"})})
     if rate_limit_bps:
         cfg = cfg.model_copy(update={"io": cfg.io.model_copy(update={"read_rate_limit_bps": int(rate_limit_bps)})})

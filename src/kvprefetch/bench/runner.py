@@ -298,7 +298,11 @@ class Bench:
         self.p.update(f"{name}: starting engine")
         eng = EngineProcess(spec, self.work / f"engine-{name}.log")
         self.p.update(f"{name}: warm-up", 20)
-        eng.call("warmup", n=2, tokens=min(512, self.max_model_len // 2), vocab=self.model.vocab_size)
+        try:
+            eng.call("warmup", n=2, tokens=min(512, self.max_model_len // 2), vocab=self.model.vocab_size)
+        except BaseException:
+            eng.kill()
+            raise
         self.p.update(f"{name}: warm-up done", 5)
         return eng
 
@@ -441,15 +445,19 @@ class Bench:
                             if self.sweep:
                                 where += f", regime {label}"
                             self._run_cells(m, tps, where, lambda c, me=me, k=k: self._mode_cell(me, c, k), k)
-            finally:
+            except BaseException:  # a failure or SIGINT/SIGTERM: close the engines now, without calibrating them
                 for me in opened.values():
-                    self._close_mode(me)
+                    self._close_mode(me, calibrate=False)
+                raise
+            for me in opened.values():
+                self._close_mode(me)
             for m in running:
                 if m in TWO_INSTANCE_MODES:  # two engines each: run after the others, one round
                     self._run_two_instance(m, populated, throttle, tps)
         finally:
             if throttle is not None:
                 throttle.remove()
+            _remove_pool(f"kvb-{self.run_id}-")  # every pool of this run, whichever step was interrupted
         self.p.update("done", self.p.total)
         results = {
             "kvprefetch_bench": 1,

@@ -21,6 +21,11 @@ so every step keeps these invariants, and the next process needs no log to repai
     image cannot be torn by a crash; `payload` still checks the image's header names the key (microseconds),
     which would catch a slot table that disagrees with its image however that came about.
 See kvprefetch.crashpoints and tests/store/test_crash_points.py, which kill a process at each of these steps.
+
+The pool outlives its processes only as its declared `keep_idle_s` says (0: the last process to detach removes
+it); a pool idle past that (processes that died count as gone) is removed by the next process that opens the
+name or looks at it (`kvprefetch status`). A new pool is allocated whole at creation (posix_fallocate), so a node
+without the memory fails then, never with SIGBUS mid-write.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import struct
@@ -36,6 +42,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -43,12 +50,15 @@ from kvprefetch.crashpoints import crash_point
 from kvprefetch.tiers.access import PRIVATE, FileAccess, PoolAccessError
 from kvprefetch.tiers.chunk_format import ALIGN, HEADER_BYTES, CorruptChunk, align_up, verify_image
 
+log = logging.getLogger(__name__)
+
 POOL_MAGIC = b"KVPFPOOL"
 POOL_VERSION = 1
 SHM_DIR = Path(os.environ.get("KVPREFETCH_SHM_DIR", "/dev/shm"))
 DATA_ALIGN = 2 << 20  # so slot images can sit on huge pages
 HUGE_PAGE = 2 << 20
 
+Reserve = Literal["fallocate", "touch", "lazy"]  # how a new pool gets its memory: see SharedChunkPool._reserve
 FREE, WRITING, READY = 0, 1, 2
 _SUPER = struct.Struct("<8sIIQQQQ")  # magic, version, max_procs, slot_bytes, n_slots, data_offset, tick
 _TICK_OFFSET = 8 + 4 + 4 + 8 + 8 + 8
@@ -134,13 +144,104 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _open_pool_file(path: Path, access: FileAccess) -> int:
+def _open_pool_file(path: Path, access: FileAccess, create: bool = True) -> int:
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, access.pool_mode)
+        return os.open(path, os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if create else 0), access.pool_mode)
     except OSError as err:
         if err.errno != errno.ELOOP:
             raise
         raise PoolAccessError(f"DRAM pool {path} is a symbolic link: refused (it may point at any file)") from None
+
+
+# ---- lifecycle: who uses a pool, since when it is idle, and how long it is kept so -------------------------
+# The record lives in the superblock's page, clear of the superblock itself: magic, keep_idle_s (-1: forever),
+# and when the pool was last attached to or detached from (seconds since the epoch).
+_LIFE = struct.Struct("<8sdd")
+_LIFE_OFFSET = 1024
+_LIFE_MAGIC = b"KVPFLIFE"
+
+
+class PoolExpired(FileNotFoundError):
+    """The pool was idle past its keep_idle_s and has just been removed (or was never laid out)."""
+
+
+class PoolInUse(RuntimeError):
+    """A pool cannot be removed while live processes are attached to it."""
+
+
+class PoolNoSpace(OSError):
+    """The node has not the memory left for a pool of this size."""
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    """A pool's users and lifecycle: the live processes attached, its policy and the RAM its file holds."""
+
+    pids: tuple[int, ...]
+    keep_idle_s: float | None  # None: kept until removed by hand (`kvprefetch status --remove/--gc`)
+    last_used: float  # when a process last attached or detached (epoch s); an idle pool is idle since then
+    held_bytes: int  # the file's allocated blocks: the RAM (or huge pages) it holds, whoever maps it
+
+    def expired(self, now: float | None = None) -> bool:
+        """Idle (no live process attached) for at least keep_idle_s."""
+        if self.pids or self.keep_idle_s is None:
+            return False
+        return (time.time() if now is None else now) - self.last_used >= self.keep_idle_s
+
+    def describe(self) -> str:
+        kept = "kept until removed" if self.keep_idle_s is None else f"keep_idle_s={self.keep_idle_s:g}"
+        idle = time.time() - self.last_used
+        return f"idle for {idle:.0f} s, {kept}, held {self.held_bytes / 2**30:.2f} GiB"
+
+
+def held_bytes(fd: int) -> int:
+    """The pool file's allocated blocks in bytes: the memory it really holds (tmpfs and hugetlbfs count them)."""
+    return os.fstat(fd).st_blocks * 512
+
+
+def pool_usage(fd: int) -> PoolUsage | None:
+    """Read a pool's users and lifecycle record from its file (None: not laid out, or not a pool of ours).
+
+    Pools laid out before the record existed count as keep_idle_s=0 since their file was last modified.
+    """
+    head = os.pread(fd, _LIFE_OFFSET + _LIFE.size, 0)
+    if len(head) < _LIFE_OFFSET + _LIFE.size:
+        return None
+    magic, version, max_procs, slot_bytes, n_slots, _data, _tick = _SUPER.unpack_from(head)
+    if magic != POOL_MAGIC or version != POOL_VERSION:
+        return None
+    procs_at = PoolGeometry(slot_bytes, n_slots, max_procs).offsets()[2]
+    rows = np.frombuffer(os.pread(fd, max_procs * 8, procs_at), np.int64)
+    pids = tuple(int(p) for p in rows if p != 0 and pid_alive(int(p)))
+    life_magic, _keep, last_used = _LIFE.unpack_from(head, _LIFE_OFFSET)
+    if life_magic != _LIFE_MAGIC:
+        last_used = os.fstat(fd).st_mtime
+    return PoolUsage(pids, _declared_keep(head), last_used, held_bytes(fd))
+
+
+def _declared_keep(head: bytes) -> float | None:
+    """The keep_idle_s recorded in a pool's first page (0 for pools laid out before the record existed)."""
+    if len(head) < _LIFE_OFFSET + _LIFE.size:
+        return 0.0
+    life_magic, keep, _last_used = _LIFE.unpack_from(head, _LIFE_OFFSET)
+    if life_magic != _LIFE_MAGIC:
+        return 0.0
+    return None if keep < 0 else keep
+
+
+def _write_life(mm: mmap.mmap, keep_idle_s: float | None, last_used: float) -> None:
+    """Through the mapping: hugetlbfs files take no write()."""
+    _LIFE.pack_into(mm, _LIFE_OFFSET, _LIFE_MAGIC, -1.0 if keep_idle_s is None else float(keep_idle_s), last_used)
+
+
+def _names(fd: int, path: Path) -> bool:
+    """Whether path still names the open file fd (its last user may have removed it meanwhile)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 class SharedChunkPool:
@@ -155,6 +256,9 @@ class SharedChunkPool:
         hugepages: bool = True,
         directory: str | os.PathLike = SHM_DIR,
         access: FileAccess = PRIVATE,
+        keep_idle_s: float | None = 0.0,
+        observer: bool = False,
+        reserve: Reserve = "fallocate",
     ):
         slot_bytes = align_up(slot_bytes, ALIGN)
         n_slots = capacity_bytes // slot_bytes
@@ -166,19 +270,23 @@ class SharedChunkPool:
         self.evictions = 0
         self.wait_timeouts = 0  # reads that gave up waiting on a WRITING slot: a writer that neither commits nor dies
         self.path = Path(directory) / f"kvprefetch-{name}.pool"
+        self.observer = observer
         self._tlock = threading.RLock()
-        self._fd = _open_pool_file(self.path, access)
+        self._fd = self._open_current(access)  # locked
+        created = False
         try:
-            access.adopt_pool(self._fd, self.path)  # someone else's pool (or a link to one) is refused
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
-                created = self._map_or_init(PoolGeometry(slot_bytes, n_slots, max_procs), hugepages)
-                self._row = self._claim_row()
+                created = not observer and os.fstat(self._fd).st_size == 0
+                self._map_or_init(PoolGeometry(slot_bytes, n_slots, max_procs), hugepages, reserve)
+                self.reaped_at_attach = 0
+                self._row = -1 if observer else self._claim_row()
+                if not observer:
+                    _write_life(self._mm, keep_idle_s, time.time())
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
         except BaseException:
             os.close(self._fd)
-            if locals().get("created"):
+            if created:
                 self.path.unlink(missing_ok=True)
             raise
         self.created = created
@@ -186,27 +294,81 @@ class SharedChunkPool:
 
     @classmethod
     def attach(
-        cls, name: str, directory: str | os.PathLike = SHM_DIR, access: FileAccess = PRIVATE
+        cls, name: str, directory: str | os.PathLike = SHM_DIR, access: FileAccess = PRIVATE, observer: bool = False
     ) -> SharedChunkPool:
-        """Attach to an existing pool with whatever geometry it has (for inspection tools)."""
+        """Attach to an existing pool with whatever geometry and keep_idle_s it has; an observer (an inspection
+        tool) takes no process row, so it neither counts as a user nor changes when the pool was last used."""
         path = Path(directory) / f"kvprefetch-{name}.pool"
         with open(path, "rb") as f:
-            head = f.read(_SUPER.size)
+            head = f.read(_LIFE_OFFSET + _LIFE.size)
         if len(head) < _SUPER.size:
             raise PoolGeometryError(f"{path} is empty or truncated")
-        magic, version, max_procs, slot_bytes, n_slots, _data, _tick = _SUPER.unpack(head)
+        magic, version, max_procs, slot_bytes, n_slots, _data, _tick = _SUPER.unpack_from(head)
         if magic != POOL_MAGIC or version != POOL_VERSION:
             raise PoolGeometryError(f"{path} is not a kvprefetch pool (or an older version)")
-        return cls(name, slot_bytes, slot_bytes * n_slots, max_procs, False, directory, access)
+        keep = _declared_keep(head)
+        return cls(name, slot_bytes, slot_bytes * n_slots, max_procs, False, directory, access, keep, observer)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    def _open_current(self, access: FileAccess) -> int:
+        """Open and lock (flock) the file that is the pool's name now.
+
+        A file its last user removed while this process waited for the lock is let go and the name opened
+        again, so two processes never end up in two copies of one pool. A pool idle past its declared
+        keep_idle_s is removed first (see `PoolUsage.expired`): a member then creates a fresh one, an observer
+        raises PoolExpired.
+        """
+        while True:
+            fd = _open_pool_file(self.path, access, create=not self.observer)
+            try:
+                access.adopt_pool(fd, self.path)  # someone else's pool (or a link to one) is refused
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if _names(fd, self.path):
+                    usage = pool_usage(fd)
+                    if usage is None or not usage.expired():
+                        return fd
+                    self.path.unlink()
+                    log.info("DRAM pool %s removed: %s", self.path, usage.describe())
+                    if self.observer:
+                        raise PoolExpired(f"{self.path} was removed: {usage.describe()}")
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+
+    def usage(self) -> PoolUsage:
+        """Who uses the pool, since when it is idle, its policy and the RAM it holds (for `kvprefetch status`)."""
+        with self._locked():
+            usage = pool_usage(self._fd)
+        assert usage is not None
+        return usage
+
+    def remove_if_idle(self) -> PoolUsage:
+        """Remove the pool from the node if no process but this observer uses it; return what it was.
+
+        Raises PoolInUse (and removes nothing) while any live process is attached.
+        """
+        with self._locked():
+            self._reap_dead_locked()
+            usage = pool_usage(self._fd)
+            assert usage is not None
+            if usage.pids:
+                raise PoolInUse(f"DRAM pool {self.name} is in use by process(es) {', '.join(map(str, usage.pids))}")
+            self.path.unlink(missing_ok=True)
+        return usage
 
     # ---- setup -------------------------------------------------------------------------------------------
-    def _map_or_init(self, want: PoolGeometry, hugepages: bool) -> bool:
+    def _map_or_init(self, want: PoolGeometry, hugepages: bool, reserve: Reserve) -> bool:
         """Map an existing pool (checking its geometry) or lay out a new one. Returns True if created."""
         size = os.fstat(self._fd).st_size
         created = size == 0
         if created:
+            if self.observer:
+                raise PoolGeometryError(f"{self.path} is empty: being laid out, or its creator died doing so")
             size = align_up(want.offsets()[-1], DATA_ALIGN)  # hugetlbfs wants whole huge pages
             os.ftruncate(self._fd, size)
+            if reserve == "fallocate":
+                self._reserve(size)
         try:
             self._mm = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
@@ -219,8 +381,30 @@ class SharedChunkPool:
             self.geometry = want
         else:
             self.geometry = self._check_geometry(want)
-        self._layout(hugepages, prefault=created)
+        self._layout(hugepages, prefault=created and reserve == "touch")
         return created
+
+    def _reserve(self, size: int) -> None:
+        """Allocate the whole pool in RAM now (posix_fallocate), so a node short of memory fails here, with a
+        clear error, and never later with SIGBUS in the middle of a write into a slot.
+
+        Faulting every page in by touching it (as before) reserves as well, but on our VM a 2 GiB pool took 1.9 s
+        so (3.7 s under load, up to 30 s on a freshly booted VM) against 0.55 s with fallocate, and the first
+        request's load into its slots was not faster for it (0.87 s against 0.20 s; benchmarks/pool_reserve.py).
+        """
+        try:
+            os.posix_fallocate(self._fd, 0, size)
+        except OSError as err:
+            if err.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without fallocate: pages on demand
+                return
+            if err.errno == errno.ENOSPC:
+                free = os.statvfs(self.path.parent)
+                raise PoolNoSpace(
+                    f"DRAM pool '{self.name}' needs {size / 2**30:.2f} GiB but {self.path.parent} has"
+                    f" {free.f_bavail * free.f_frsize / 2**30:.2f} GiB free: lower dram.capacity_bytes, or free"
+                    f" idle pools (`kvprefetch status --gc`)"
+                ) from None
+            raise
 
     def _check_geometry(self, want: PoolGeometry) -> PoolGeometry:
         magic, version, max_procs, slot_bytes, n_slots, _data, _tick = _SUPER.unpack_from(self._mm, 0)
@@ -251,7 +435,7 @@ class SharedChunkPool:
             self._data[::4096] = 0
 
     def _claim_row(self) -> int:
-        self.reaped_at_attach = self._reap_dead_locked()
+        self.reaped_at_attach = self._reap_dead_locked()  # an observer reaps in reap_dead()
         pid = os.getpid()
         free = np.flatnonzero(self.procs == 0)
         if len(free) == 0:
@@ -464,23 +648,38 @@ class SharedChunkPool:
             "evictions_here": self.evictions,
             "wait_timeouts_here": self.wait_timeouts,
             "hugepages_advised": self.hugepages_advised,
+            "held_bytes": held_bytes(self._fd),
         }
 
     def close(self) -> None:
-        """Detach: drop this process's pins and row. The pool itself stays for the other processes."""
+        """Detach: drop this process's pins and row. The pool stays for the other processes; when this was the
+        last one, it stays as long as the pool's keep_idle_s says (0: removed now)."""
         if self._closed:
             return
         self._closed = True
         with self._locked():
-            mine = np.flatnonzero(self.pins[self._row] > 0)
-            writing = mine[self.slots["state"][mine] == WRITING]
-            self.slots["state"][writing] = FREE
-            self.pins[self._row, :] = 0
-            self.procs[self._row] = 0
+            if not self.observer:
+                mine = np.flatnonzero(self.pins[self._row] > 0)
+                writing = mine[self.slots["state"][mine] == WRITING]
+                self.slots["state"][writing] = FREE
+                self.pins[self._row, :] = 0
+                self.procs[self._row] = 0
+                self._reap_dead_locked()
+                self._detach_last_locked()
         del self.slots, self.pins, self.procs, self._data
         with contextlib.suppress(BufferError):  # a caller still holds a view; it unmaps when collected
             self._mm.close()
         os.close(self._fd)
+
+    def _detach_last_locked(self) -> None:
+        """If no live process is attached any more: record when the pool went idle, remove it if its policy
+        keeps idle pools for no time at all."""
+        usage = pool_usage(self._fd)
+        if usage is None or usage.pids or not _names(self._fd, self.path):
+            return
+        _write_life(self._mm, usage.keep_idle_s, time.time())
+        if usage.keep_idle_s == 0:
+            self.path.unlink(missing_ok=True)
 
     def destroy(self) -> None:
         """Detach and remove the pool from the node (every attached process keeps its mapping until it exits)."""

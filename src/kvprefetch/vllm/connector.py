@@ -13,6 +13,7 @@ so both halves see one copy of every chunk. The scheduler half (`scheduler.py`) 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import weakref
@@ -221,6 +222,12 @@ class KVPrefetchConnector(KVConnectorBase_V1):
             self._worker.shutdown()
         if self._reporter is not None:
             self._reporter.close()
+        # Detach from the DRAM pool last (the reporter reads its stats): the last process to detach frees the
+        # pool's RAM when dram.keep_idle_s says so.
+        for side in (self._worker, self._sched):
+            if side is not None and side.store is not None:
+                with contextlib.suppress(Exception):
+                    side.store.close()
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
