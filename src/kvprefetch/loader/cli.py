@@ -87,6 +87,7 @@ def loadbench(
         "shards": len(ckpt.shards),
         "repeats": repeats,
         "notes": bench.notes,
+        "identity_seconds": bench.identity_seconds,
         "rows": [r.as_json() for r in rows],
         "goals": [{"goal": n, "ratio": v, "target": t, "met": m} for n, v, t, m in goals(rows)],
     }

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvprefetch.bench.regime import make_throttle
+from kvprefetch.loader.cache import full_identity, header_identity
 from kvprefetch.loader.harness import MARK
 from kvprefetch.loader.shards import open_checkpoint
 
@@ -66,7 +67,9 @@ class Row:
     unavailable: str | None = None
 
     def as_json(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
+        """{loader, regime, seconds, gbps, ratio_to_default} always (null where unavailable), then the details."""
+        out = {k: getattr(self, k) for k in ("loader", "regime", "seconds", "gbps", "ratio_to_default", "samples")}
+        return out | ({"unavailable": self.unavailable} if self.unavailable else {})
 
 
 def make_checkpoint(path: Path, layers: int, hidden: int, shard_size: str) -> None:
@@ -156,6 +159,7 @@ class LoadBench:
     block_bytes: int
     progress: Callable[[str], None] = print
     notes: list[str] = field(default_factory=list)
+    identity_seconds: dict[str, float] = field(default_factory=dict)
 
     def run(self) -> list[Row]:
         ckpt = open_checkpoint(self.model)
@@ -176,6 +180,7 @@ class LoadBench:
             )
         if not drop_page_cache():
             self.notes.append("page cache NOT dropped between passes (needs root): cold rows may be warm")
+        self._measure_identity(ckpt)
         samples: dict[Mode, list[float]] = {m: [] for m in MODES}
         unavailable: dict[Mode, str] = {}
         fio_depth = self._fio_depth(files, self.block_bytes, unavailable)
@@ -198,6 +203,10 @@ class LoadBench:
                         continue
                     cgroup = str(throttle.path) if m.regime == "network" and throttle is not None else None
                     extra = (cached if m.cache else self.extra) if m.load_format == "kvprefetch" else {}
+                    if m.regime == "warm-cache" and not any(cache_dir.rglob("*.kv")):
+                        run_pass(self.model, m.load_format, extra, None, log)  # no network pass filled it: fill now
+                        _remove_pool(pool)
+                        drop_page_cache()
                     res = run_pass(self.model, m.load_format, extra, cgroup, log)
                     if "error" in res:
                         unavailable[m] = res["error"]
@@ -208,6 +217,28 @@ class LoadBench:
             if throttle is not None:
                 throttle.remove()
         return self._rows(samples, unavailable, total)
+
+    def _measure_identity(self, ckpt) -> None:
+        """What keying the cache by a full hash would cost: the whole source read and hashed, on every load."""
+        drop_page_cache()
+        t0 = time.perf_counter()
+        for shard in ckpt.shards:
+            header_identity(shard)
+        t1 = time.perf_counter()
+        for shard in ckpt.shards:
+            full_identity(shard)
+        t2 = time.perf_counter()
+        gb = ckpt.total_bytes / 1e9
+        self.identity_seconds = {
+            "header": t1 - t0,
+            "full_local": t2 - t1,
+            "full_network": gb / (self.network_bps / 1e9),
+        }
+        self.notes.append(
+            f"cache identity: header hash {1e3 * (t1 - t0):.2f} ms for all shards; full hash {t2 - t1:.2f} s from the "
+            f"local disk ({gb / (t2 - t1):.2f} GB/s), i.e. at least {gb / (self.network_bps / 1e9):.1f} s over the "
+            "throttled network (a whole read of the source per load): the default identity is the header's"
+        )
 
     def _fio_depth(self, files: list[Path], block: int, unavailable: dict) -> tuple[int, int]:
         if shutil.which("fio") is None:
