@@ -94,6 +94,9 @@ class ShardReader:
         """Allocate the shard's buffer and queue all its block reads (cache first where it has them)."""
         nblocks = -(-shard.size // self.block)
         raw = mmap.mmap(-1, max(ALIGN, nblocks * self.block))  # page aligned, zeroed: a block's tail past EOF
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages: a GB-sized buffer faults in 512x fewer times
+            with contextlib.suppress(OSError):
+                raw.madvise(mmap.MADV_HUGEPAGE)
         fd, _ = _open_source(shard.path, self.settings.direct_io)
         pending = _PendingShard(shard, memoryview(raw), fd)
         keys = self.cache.block_keys(shard, nblocks) if self.cache is not None else None

@@ -27,7 +27,12 @@ class LoaderSettings(BaseModel):
         "Four 8 MiB reads at once loaded a 2 GB checkpoint ~4x faster than one 16 MiB read at a time on our test VM "
         "(whose disk tier prefers one 4 MiB chunk at a time: a checkpoint read is one long sequential stream).",
     )
-    staging: Literal["auto", "off"] = Field(default="auto", description="Huge-page staging buffers, as the disk tier.")
+    staging: Literal["auto", "off"] = Field(
+        default="off",
+        description="auto: read through huge-page staging buffers as the disk tier does. Off by default here: a "
+        "shard lands once in its own (transparent-huge-page) buffer and vLLM copies it into the model, so staging "
+        "would add a third pass over every byte; on our loaded 2-core VM the load is CPU-bound, not read-bound.",
+    )
     direct_io: bool = Field(default=True, description="O_DIRECT source reads (no page cache).")
     lookahead_shards: int = Field(default=1, ge=0, le=16, description="Shards read ahead of the one being copied.")
     cache_group_blocks: int = Field(default=8, ge=1, le=1024, description="Blocks per cache lookup.")
