@@ -39,7 +39,7 @@ def assert_same(got: dict, want: dict) -> None:
 
 def test_tensors_are_the_checkpoints_bytes_with_and_without_staging_and_small_blocks(ckpt):
     want = expected(ckpt)
-    for settings in (LoaderSettings(), LoaderSettings(block_bytes="64KiB", read_inflight_bytes="128KiB",
+    for settings in (LoaderSettings(staging="auto"), LoaderSettings(block_bytes="64KiB", read_inflight_bytes="128KiB",
                                                       staging="off", lookahead_shards=0, direct_io=False)):  # fmt: skip
         got, counters = load(ckpt, settings)
         assert_same(got, want)
