@@ -38,6 +38,7 @@ def write_checkpoint(path: Path, layers: int = 2, hidden: int = 128, seed: int =
         total += sum(t.nbytes for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": hidden}))
     return path
 
 

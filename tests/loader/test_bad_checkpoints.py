@@ -81,7 +81,14 @@ def test_shard_of_another_model(ckpt, other_model):
     victim = shards(ckpt)[0]
     victim.write_bytes(shards(other_model)[0].read_bytes())
     err = fails(ckpt, "another model")
-    assert victim.name in str(err) or "index" in str(err)
+    assert err.path == str(victim)
+
+
+def test_shard_of_another_model_without_a_config_is_blamed_on_the_index(ckpt, other_model):
+    (ckpt / "config.json").unlink()
+    shards(ckpt)[0].write_bytes(shards(other_model)[0].read_bytes())
+    err = fails(ckpt, "another model")
+    assert err.path.endswith("model.safetensors.index.json")
 
 
 def test_shard_shrinking_after_verification_fails_the_load(ckpt):

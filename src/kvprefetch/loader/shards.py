@@ -169,9 +169,26 @@ def open_checkpoint(directory: str | os.PathLike) -> Checkpoint:
             )  # fmt: skip
     total = sum(s.tensor_bytes for s in shards)
     if declared_total is not None and int(declared_total) != total:
+        _blame_foreign_shard(directory, shards)
         sizes = ", ".join(f"{s.path.name}: {s.tensor_bytes}" for s in shards)
         raise CheckpointError(
             index_path, f"shards hold {total} tensor bytes, the index declares {declared_total} ({sizes}): "
                         "a shard of another model or a damaged index",
         )  # fmt: skip
     return Checkpoint(directory, shards)
+
+
+def _blame_foreign_shard(directory: Path, shards: tuple[Shard, ...]) -> None:
+    """With the right tensor names but the wrong total size, name the shard that does not fit config.json's
+    hidden_size, if one does not (a shard of a same-architecture model of another width); else return."""
+    try:
+        hidden = int(json.loads((directory / "config.json").read_text())["hidden_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    for shard in shards:
+        matrices = [t for t in shard.tensors if len(t.shape) >= 2]
+        if matrices and not any(hidden in t.shape for t in matrices):
+            raise CheckpointError(
+                shard.path, f"not this model's shard (another model's?): none of its {len(matrices)} matrices has "
+                            f"the model's hidden_size {hidden} (config.json) as a dimension",
+            )  # fmt: skip
