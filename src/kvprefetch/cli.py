@@ -132,6 +132,7 @@ def _print_iobench(result, base: Path) -> None:
 def _register_subcommands() -> None:
     from kvprefetch.bench.bench_cli import register as register_bench
     from kvprefetch.bench.remotebench_cli import register as register_remotebench
+    from kvprefetch.loader.cli import register as register_loadbench
     from kvprefetch.sim.cli import register as register_sim
     from kvprefetch.status_cli import register as register_status
     from kvprefetch.trace_cli import register as register_trace
@@ -141,6 +142,7 @@ def _register_subcommands() -> None:
     register_remotebench(app)
     register_status(app)
     register_trace(app)
+    register_loadbench(app)
 
 
 _register_subcommands()

@@ -61,6 +61,12 @@ def main() -> None:
     )
     if spec.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    if spec.get("load_format"):
+        from kvprefetch.loader.vllm_loader import register
+
+        register()  # what the vllm.general_plugins entry point does (explicit: the test venv may predate it)
+        kwargs["load_format"] = spec["load_format"]
+        kwargs["model_loader_extra_config"] = spec.get("model_loader_extra_config", {})
     llm = LLM(**kwargs)
     _reply({"ready": True})
     for line in sys.stdin:

@@ -24,8 +24,6 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-import numpy as np
-
 from kvprefetch.crashpoints import crash_point
 from kvprefetch.tiers.access import PRIVATE, FileAccess
 from kvprefetch.tiers.chunk_format import (
@@ -38,7 +36,7 @@ from kvprefetch.tiers.chunk_format import (
 )
 from kvprefetch.tiers.dram import pid_alive
 from kvprefetch.tiers.inflight import InflightBytes
-from kvprefetch.tiers.staging import StagingBuffers
+from kvprefetch.tiers.staging import StagingBuffers, staged_read
 
 log = logging.getLogger(__name__)
 
@@ -252,35 +250,14 @@ class DiskTier:
         return header.payload_nbytes
 
     def _read_verified(self, fd: int, dst: memoryview, key: bytes, verify: bool) -> ChunkHeader:
-        """Read the whole file into dst, through a staging buffer when there is one, and verify it.
+        """Read the whole file into dst (through a staging buffer when there is one) and verify it there."""
 
-        The staging buffer is taken once the read is admitted, so the read lands in the most recently used
-        (hottest) buffer, and the next read is admitted as soon as this one is off the device: verification
-        and the copy into dst overlap it.
-        """
-        with contextlib.ExitStack() as held:
-            gate = held.enter_context(contextlib.ExitStack())
-            if self.read_gate is not None:
-                gate.enter_context(self.read_gate.admit(len(dst)))
-            staged = held.enter_context(self.staging.lend(len(dst))) if self.staging is not None else None
-            buf = dst if staged is None else staged
-            got = self._read_full(fd, buf)
-            gate.close()
+        def check(buf: memoryview, got: int) -> ChunkHeader:
             if got != len(dst):
                 raise CorruptChunk(f"short read: {got} of {len(dst)} bytes")
-            header = verify_image(buf, key, verify_payload=verify)
-            if staged is not None:
-                np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(staged, np.uint8))
-            return header
+            return verify_image(buf, key, verify_payload=verify)
 
-    def _read_full(self, fd: int, dst: memoryview) -> int:
-        done = 0
-        while done < len(dst):
-            n = os.preadv(fd, [dst[done:]], done)
-            if n == 0:
-                break
-            done += n
-        return done
+        return staged_read(fd, dst, 0, self.read_gate, self.staging, check)
 
     def read_bounce(self, key: bytes, nbytes_hint: int) -> tuple[memoryview, int]:
         """Read into a fresh aligned buffer (for callers with no DRAM slot); return (image, payload size)."""

@@ -14,11 +14,17 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import numpy as np
 
 from kvprefetch.tiers.chunk_format import align_up
+from kvprefetch.tiers.inflight import InflightBytes
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 HUGE_PAGE = 2 << 20
 
@@ -83,3 +89,43 @@ class StagingBuffers:
                     buf.close()
             self._maps.clear()
             self.available = False
+
+
+def pread_full(fd: int, dst: memoryview, offset: int = 0) -> int:
+    """Read into dst from offset until it is full or the file ends; return the bytes read."""
+    done = 0
+    while done < len(dst):
+        n = os.preadv(fd, [dst[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def staged_read(
+    fd: int,
+    dst: memoryview,
+    offset: int,
+    gate: InflightBytes | None,
+    staging: StagingBuffers | None,
+    inspect: Callable[[memoryview, int], T],
+) -> T:
+    """Read len(dst) bytes at offset into dst, through a staging buffer when one is free: the disk read path.
+
+    The staging buffer is taken once the read is admitted, so the read lands in the most recently used
+    (hottest) buffer, and the next read is admitted as soon as this one is off the device: `inspect(buf, got)`
+    (verification, while the bytes are cache-hot) and the copy into dst overlap it. Returns inspect's result;
+    nothing is copied into dst if inspect raises.
+    """
+    with contextlib.ExitStack() as held:
+        admitted = held.enter_context(contextlib.ExitStack())
+        if gate is not None:
+            admitted.enter_context(gate.admit(len(dst)))
+        staged = held.enter_context(staging.lend(len(dst))) if staging is not None else None
+        buf = dst if staged is None else staged
+        got = pread_full(fd, buf, offset)
+        admitted.close()
+        result = inspect(buf, got)
+        if staged is not None:
+            np.copyto(np.frombuffer(dst, np.uint8)[:got], np.frombuffer(staged, np.uint8)[:got])
+        return result

@@ -1,0 +1,79 @@
+"""One weight load into a real vLLM model, in this process: what loadbench times and the exactness tests hash.
+
+    python -m kvprefetch.loader.harness '{"model": DIR, "load_format": "kvprefetch", "extra": {...}}'
+
+Builds the vLLM model for the checkpoint on the CPU (a world of one, no engine: seconds instead of the ~40 s
+of an engine start), then runs the loader's `load_weights` alone, timed, and prints one JSON line: seconds,
+the loader's counters, and with "hashes": true a blake3 per parameter (what "byte-identical to the default
+loader" is checked with). With "cgroup", the process first joins that cgroup (the bench's read throttle).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MARK = "@@LOAD "
+
+
+def load_once(model: str, load_format: str, extra: dict | None = None, hashes: bool = False,
+              dtype: str = "auto") -> dict:  # fmt: skip
+    import blake3
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    args = EngineArgs(model=model, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
+                      load_format=load_format, model_loader_extra_config=extra or {})  # fmt: skip
+    cfg = args.create_engine_config()
+    with set_current_vllm_config(cfg):
+        if not model_parallel_is_initialized():
+            rendezvous = f"file://{tempfile.mktemp(prefix='kvp-dist-')}"
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, distributed_init_method=rendezvous,
+                                         backend="gloo")  # fmt: skip
+            initialize_model_parallel(1, 1)
+        loader = get_model_loader(cfg.load_config)
+        with set_default_torch_dtype(cfg.model_config.dtype), torch.device("cpu"):
+            model = loader.create_model(vllm_config=cfg, model_config=cfg.model_config)
+        t0 = time.perf_counter()
+        loader.load_weights(model, cfg.model_config)
+        seconds = time.perf_counter() - t0
+    out: dict = {"seconds": seconds, "load_format": load_format}
+    last = getattr(loader, "last_load", None)  # only the kvprefetch loader keeps counters
+    if last is not None:
+        out["counters"] = last.as_dict()
+    if hashes:
+        out["hashes"] = {
+            name: blake3.blake3(p.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for name, p in model.state_dict().items()
+        }
+    return out
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    if spec.get("cgroup"):
+        Path(spec["cgroup"], "cgroup.procs").write_text(str(os.getpid()))
+    from kvprefetch.loader.vllm_loader import register
+
+    register()  # as the entry point does in an engine; explicit here so a stale install cannot skip it
+    try:
+        res = load_once(spec["model"], spec["load_format"], spec.get("extra"), spec.get("hashes", False),
+                        spec.get("dtype", "auto"))  # fmt: skip
+    except Exception as err:
+        res = {"error": f"{type(err).__name__}: {err}"}
+    sys.stdout.write(MARK + json.dumps(res) + "\n")
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

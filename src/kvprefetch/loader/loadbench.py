@@ -1,0 +1,316 @@
+"""`kvprefetch loadbench`: weight loaders side by side on one checkpoint, page cache dropped before every pass.
+
+Each pass is one fresh process (`kvprefetch.loader.harness`) that builds the vLLM model and times the loader's
+`load_weights` alone. Passes run in rounds, every mode once per round in turn (interleaved: the disk of a
+shared VM drifts, and interleaving spreads the drift over all modes), and each mode's median is reported:
+
+    default          vLLM's safetensors loader (mmap + page cache)
+    runai_streamer   vLLM's runai-model-streamer loader
+    fastsafetensors  vLLM's fastsafetensors loader (needs a CUDA device: unavailable on CPU hosts, with its reason)
+    kvprefetch       ours, cold from the local disk (no cache)
+    * network        default and ours reading a source throttled to `--network-gbps` by the cgroup read throttle
+                     the KV bench uses (`bench.regime`), ours with the weight cache on: the cold load fills it
+    kvprefetch warm  ours again, from the weight cache the network pass filled (cache on the local disk)
+    fio              fio's sequential O_DIRECT read of the same files (best queue depth): the device's ceiling
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvprefetch.bench.regime import make_throttle
+from kvprefetch.loader.cache import full_identity, header_identity
+from kvprefetch.loader.harness import MARK
+from kvprefetch.loader.shards import open_checkpoint
+
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+@dataclass(frozen=True)
+class Mode:
+    loader: str  # the row's loader name
+    regime: str  # local | network | warm-cache | device
+    load_format: str | None  # None: fio
+    cache: bool = False
+
+
+MODES = [
+    Mode("fio", "device", None),
+    Mode("default", "local", "safetensors"),
+    Mode("runai_streamer", "local", "runai_streamer"),
+    Mode("fastsafetensors", "local", "fastsafetensors"),
+    Mode("kvprefetch", "local", "kvprefetch"),
+    Mode("default", "network", "safetensors"),
+    Mode("kvprefetch", "network", "kvprefetch", cache=True),
+    Mode("kvprefetch", "warm-cache", "kvprefetch", cache=True),
+]
+
+
+@dataclass
+class Row:
+    loader: str
+    regime: str
+    seconds: float | None = None
+    gbps: float | None = None
+    ratio_to_default: float | None = None
+    samples: list[float] = field(default_factory=list)
+    unavailable: str | None = None
+
+    def as_json(self) -> dict:
+        """{loader, regime, seconds, gbps, ratio_to_default} always (null where unavailable), then the details."""
+        out = {k: getattr(self, k) for k in ("loader", "regime", "seconds", "gbps", "ratio_to_default", "samples")}
+        return out | ({"unavailable": self.unavailable} if self.unavailable else {})
+
+
+def make_checkpoint(path: Path, layers: int, hidden: int, shard_size: str) -> None:
+    """A random Llama in bf16 written by transformers, in several safetensors shards (kept for later runs)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.75) // 256 * 256,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 128,
+        num_key_value_heads=max(1, hidden // 512),
+        head_dim=128,
+        max_position_embeddings=4096,
+        initializer_range=0.02,
+        torch_dtype="bfloat16",
+    )
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True, max_shard_size=shard_size)
+    tmp.rename(path)
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        DROP_CACHES.write_text("3")
+        return True
+    except OSError:
+        return False
+
+
+def fio_read_gbps(files: list[Path], block: int, iodepth: int) -> float:
+    """fio's sequential O_DIRECT read of exactly these files, one after the other (libaio, iodepth given)."""
+    total = sum(f.stat().st_size for f in files) // block * block
+    cmd = [
+        "fio",
+        "--name=loadbench",
+        "--filename=" + ":".join(str(f).replace(":", "\\:") for f in files),
+        "--rw=read",
+        "--direct=1",
+        f"--bs={block}",
+        f"--iodepth={iodepth}",
+        "--ioengine=libaio",
+        "--file_service_type=sequential",
+        f"--io_size={total}",
+        "--readonly",
+        "--output-format=json",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"fio failed: {out.stderr.strip()[-300:]}")
+    job = json.loads(out.stdout[out.stdout.index("{") :])["jobs"][0]
+    return job["read"]["bw_bytes"] / 1e9
+
+
+def run_pass(model: Path, load_format: str, extra: dict, cgroup: str | None, log: Path) -> dict:
+    spec = {"model": str(model), "load_format": load_format, "extra": extra, "cgroup": cgroup}
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", PYTHONUNBUFFERED="1")
+    with open(log, "a") as err:
+        out = subprocess.run(
+            [sys.executable, "-m", "kvprefetch.loader.harness", json.dumps(spec)],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=env,
+            timeout=1800,
+        )
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith(MARK)]
+    if not lines:
+        return {"error": f"harness exited {out.returncode} without a result (log: {log})"}
+    return json.loads(lines[-1][len(MARK) :])
+
+
+@dataclass
+class LoadBench:
+    model: Path
+    work: Path
+    repeats: int
+    network_bps: int
+    extra: dict
+    block_bytes: int
+    progress: Callable[[str], None] = print
+    notes: list[str] = field(default_factory=list)
+    identity_seconds: dict[str, float] = field(default_factory=dict)
+
+    def run(self) -> list[Row]:
+        ckpt = open_checkpoint(self.model)
+        files = [s.path for s in ckpt.shards]
+        total = ckpt.total_bytes
+        cache_dir = self.work / "weight-cache"
+        pool = f"kvp-loadbench-{os.getpid()}"
+        cached = self.extra | {
+            "cache": {"disk": {"path": str(cache_dir), "capacity_bytes": 4 * total}, "dram": {"pool_name": pool}}
+        }
+        throttle, why = make_throttle(self.model, f"kvp-loadbench-{os.getpid()}")
+        if throttle is None:
+            self.notes.append(f"network regime unavailable: {why}")
+        else:
+            throttle.set(self.network_bps)
+            self.notes.append(
+                f"network regime: {throttle.kind} on {throttle.device} at {self.network_bps / 1e9:.3f} GB/s"
+            )
+        if not drop_page_cache():
+            self.notes.append("page cache NOT dropped between passes (needs root): cold rows may be warm")
+        self._measure_identity(ckpt)
+        samples: dict[Mode, list[float]] = {m: [] for m in MODES}
+        unavailable: dict[Mode, str] = {}
+        fio_depth = self._fio_depth(files, self.block_bytes, unavailable)
+        log = self.work / "loadbench-passes.log"
+        try:
+            for r in range(self.repeats):
+                for m in MODES:
+                    if m in unavailable:
+                        continue
+                    self.progress(f"round {r + 1}/{self.repeats}: {m.loader} {m.regime}")
+                    if m.regime == "network" and m.cache:
+                        shutil.rmtree(cache_dir, ignore_errors=True)  # the network pass is cold: it fills the cache
+                    _remove_pool(pool)  # warm-cache reads the local disk cache, not a DRAM pool left over
+                    drop_page_cache()
+                    if m.load_format is None:
+                        samples[m].append(total / 1e9 / fio_read_gbps(files, fio_depth[0], fio_depth[1]))
+                        continue
+                    if m.regime == "network" and throttle is None:
+                        unavailable[m] = why
+                        continue
+                    cgroup = str(throttle.path) if m.regime == "network" and throttle is not None else None
+                    extra = (cached if m.cache else self.extra) if m.load_format == "kvprefetch" else {}
+                    if m.regime == "warm-cache" and not any(cache_dir.rglob("*.kv")):
+                        run_pass(self.model, m.load_format, extra, None, log)  # no network pass filled it: fill now
+                        _remove_pool(pool)
+                        drop_page_cache()
+                    res = run_pass(self.model, m.load_format, extra, cgroup, log)
+                    if "error" in res:
+                        unavailable[m] = res["error"]
+                    else:
+                        samples[m].append(res["seconds"])
+        finally:
+            _remove_pool(pool)
+            if throttle is not None:
+                throttle.remove()
+        return self._rows(samples, unavailable, total)
+
+    def _measure_identity(self, ckpt) -> None:
+        """What keying the cache by a full hash would cost: the whole source read and hashed, on every load."""
+        drop_page_cache()
+        t0 = time.perf_counter()
+        for shard in ckpt.shards:
+            header_identity(shard)
+        t1 = time.perf_counter()
+        for shard in ckpt.shards:
+            full_identity(shard)
+        t2 = time.perf_counter()
+        gb = ckpt.total_bytes / 1e9
+        self.identity_seconds = {
+            "header": t1 - t0,
+            "full_local": t2 - t1,
+            "full_network": gb / (self.network_bps / 1e9),
+        }
+        self.notes.append(
+            f"cache identity: header hash {1e3 * (t1 - t0):.2f} ms for all shards; full hash {t2 - t1:.2f} s from the "
+            f"local disk ({gb / (t2 - t1):.2f} GB/s), i.e. at least {gb / (self.network_bps / 1e9):.1f} s over the "
+            "throttled network (a whole read of the source per load): the default identity is the header's"
+        )
+
+    def _fio_depth(self, files: list[Path], block: int, unavailable: dict) -> tuple[int, int]:
+        if shutil.which("fio") is None:
+            unavailable[MODES[0]] = "fio not installed"
+            return block, 1
+        best = (0.0, 1)
+        for depth in (1, 4, 16):
+            drop_page_cache()
+            best = max(best, (fio_read_gbps(files, block, depth), depth))
+        self.notes.append(f"fio: best queue depth {best[1]} ({best[0]:.2f} GB/s in the sweep), block {block >> 20} MiB")
+        return block, best[1]
+
+    def _rows(self, samples: dict[Mode, list[float]], unavailable: dict[Mode, str], total: int) -> list[Row]:
+        rows = []
+        for m in MODES:
+            row = Row(m.loader, m.regime, samples=[round(s, 3) for s in samples[m]])
+            if samples[m]:
+                row.seconds = statistics.median(samples[m])
+                row.gbps = total / 1e9 / row.seconds
+            else:
+                row.unavailable = unavailable.get(m, "no sample")
+            rows.append(row)
+        ref = {r.regime: r.seconds for r in rows if r.loader == "default" and r.seconds}
+        for r in rows:
+            base = ref.get(r.regime, ref.get("local"))
+            if r.seconds and base:
+                r.ratio_to_default = base / r.seconds
+        return rows
+
+
+def _remove_pool(name: str) -> None:
+    for f in Path("/dev/shm").glob(f"*{name}*"):
+        with contextlib.suppress(OSError):
+            f.unlink()
+
+
+def goals(rows: list[Row]) -> list[tuple[str, float | None, float, bool | None]]:
+    """(goal, measured ratio, target, met) for the issue's goals."""
+    s = {(r.loader, r.regime): r.seconds for r in rows}
+
+    def ratio(a, b):
+        return s[b] / s[a] if s.get(a) and s.get(b) else None
+
+    checks = [
+        ("kvprefetch cold local vs fio (speed ratio)", ratio(("kvprefetch", "local"), ("fio", "device")), 0.85),
+        ("kvprefetch cold local vs vLLM default", ratio(("kvprefetch", "local"), ("default", "local")), 1.5),
+        ("kvprefetch cold local vs runai_streamer", ratio(("kvprefetch", "local"), ("runai_streamer", "local")), 1.0),
+        ("warm cache vs cold network", ratio(("kvprefetch", "warm-cache"), ("kvprefetch", "network")), 5.0),
+    ]
+    return [(name, v, target, None if v is None else v >= target) for name, v, target in checks]
+
+
+def plot(rows: list[Row], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if r.gbps]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = [f"{r.loader}\n{r.regime}" for r in shown]
+    colors = ["#888" if r.loader == "fio" else "#2a7" if r.loader == "kvprefetch" else "#47c" for r in shown]
+    ax.bar(labels, [r.gbps for r in shown], color=colors)
+    for i, r in enumerate(shown):
+        ax.text(i, r.gbps, f"{r.gbps:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("GB/s (checkpoint bytes / load seconds, median)")
+    ax.set_title(title, fontsize=9)
+    ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def timestamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")

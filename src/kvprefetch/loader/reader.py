@@ -1,0 +1,236 @@
+"""Shards into memory at storage speed, tensors out as soon as their bytes are in.
+
+A shard is read into one page-aligned buffer in blocks, by the I/O engine's threads, with O_DIRECT (no page
+cache: the bytes are read once and kept by the model, so caching them only evicts something else), through
+the disk tier's read path (huge-page staging buffers, bytes on the device capped as `kvprefetch iobench` tunes
+`disk.read_inflight_bytes`). Tensors are handed out in file order as soon as the blocks under them have
+landed, so vLLM copies the first tensors into the model while later blocks are still being read, and the next
+shard's reads start before the current shard's tensors are handed out.
+
+Blocks double as the weight cache's chunks (`kvprefetch.loader.cache`): a block found in the cache is copied
+from there instead of being read from the source; a block read from the source is put into the cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from kvprefetch.io.engine import IOClass, IOEngine, IOTicket
+from kvprefetch.loader.cache import WeightCache
+from kvprefetch.loader.settings import LoaderSettings
+from kvprefetch.loader.shards import Checkpoint, CheckpointError, Shard, TensorEntry
+from kvprefetch.tiers.chunk_format import ALIGN, align_up
+from kvprefetch.tiers.inflight import InflightBytes
+from kvprefetch.tiers.staging import StagingBuffers, staged_read
+
+log = logging.getLogger(__name__)
+
+SOURCE = "weights"  # the I/O engine's tier name for source reads (its stats and rate limit key)
+
+
+def _open_source(path, direct: bool) -> tuple[int, bool]:
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                raise
+            log.info("kvprefetch loader: O_DIRECT not supported for %s, using buffered reads", path)
+    return os.open(path, os.O_RDONLY), False
+
+
+@dataclass
+class LoadCounters:
+    """What one load read from where (bytes), for logs, the bench and the tests; updated by the I/O threads."""
+
+    source_bytes: int = 0
+    cache_bytes: int = 0
+    cache_put_bytes: int = 0
+    shards: int = 0
+    tensors: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, name: str, n: int) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + n)
+
+    def as_dict(self) -> dict:
+        with self._lock:
+            return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
+@dataclass
+class _PendingShard:
+    shard: Shard
+    buffer: memoryview
+    fd: int
+    tickets: list[IOTicket] = field(default_factory=list)  # one per block, in file order
+    waited: int = 0  # blocks known complete
+
+
+class ShardReader:
+    """Reads a checkpoint's shards block by block, in parallel; one per load."""
+
+    def __init__(self, settings: LoaderSettings, cache: WeightCache | None = None):
+        self.settings = settings
+        self.block = int(settings.block_bytes)
+        self.io = IOEngine(threads=settings.threads, name="kvprefetch-load")
+        self.gate = InflightBytes(int(settings.read_inflight_bytes))
+        self.staging = StagingBuffers(self.block, settings.threads) if settings.staging == "auto" else None
+        self.cache = cache
+        self.counters = LoadCounters()
+        self._puts: list[Future] = []
+
+    # ---- reads -------------------------------------------------------------------------------------------
+    def _start(self, shard: Shard) -> _PendingShard:
+        """Allocate the shard's buffer and queue all its block reads (cache first where it has them)."""
+        nblocks = -(-shard.size // self.block)
+        raw = mmap.mmap(-1, max(ALIGN, nblocks * self.block))  # page aligned, zeroed: a block's tail past EOF
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages: a GB-sized buffer faults in 512x fewer times
+            with contextlib.suppress(OSError):
+                raw.madvise(mmap.MADV_HUGEPAGE)
+        fd, _ = _open_source(shard.path, self.settings.direct_io)
+        pending = _PendingShard(shard, memoryview(raw), fd)
+        keys = self.cache.block_keys(shard, nblocks) if self.cache is not None else None
+        group = max(1, int(self.settings.cache_group_blocks))
+        for first in range(0, nblocks, group):
+            last = min(nblocks, first + group)
+            fn = self._read_group_fn(pending, first, last, keys)
+            ticket = self.io.submit(SOURCE, IOClass.DEMAND, fn, nbytes=0)
+            pending.tickets.extend([ticket] * (last - first))
+        return pending
+
+    def _read_group_fn(self, p: _PendingShard, first: int, last: int, keys: list[bytes] | None):
+        def run() -> None:
+            start = first
+            if keys is not None and self.cache is not None:
+                views = [p.buffer[i * self.block : (i + 1) * self.block] for i in range(first, last)]
+                start += self.cache.get_into(keys[first:last], views)
+                self.counters.add("cache_bytes", (start - first) * self.block)
+            for i in range(start, last):
+                self._read_block(p, i)
+                if keys is not None and self.cache is not None:
+                    self._puts.append(self.cache.put(keys[i], p.buffer[i * self.block : (i + 1) * self.block]))
+                    self.counters.add("cache_put_bytes", self.block)
+
+        return run
+
+    def _read_block(self, p: _PendingShard, i: int) -> None:
+        offset = i * self.block
+        want = min(self.block, p.shard.size - offset)
+        dst = p.buffer[offset : offset + align_up(want)]
+
+        def check(_buf: memoryview, got: int) -> None:
+            if got < want:
+                raise CheckpointError(
+                    p.shard.path, f"truncated while loading: {got} of {want} bytes at offset {offset} "
+                                  f"(the file had {p.shard.size} bytes when its header was checked)",
+                )  # fmt: skip
+
+        staged_read(p.fd, dst, offset, self.gate, self.staging, check)
+        self.counters.add("source_bytes", want)
+
+    def _wait_through(self, p: _PendingShard, end: int) -> None:
+        """Block until every byte of [0, end) of the shard has landed (raises the first read's error)."""
+        need = -(-end // self.block)
+        while p.waited < need:
+            p.tickets[p.waited].result()
+            p.waited += 1
+
+    def _finish(self, p: _PendingShard) -> None:
+        self._wait_through(p, p.shard.size)
+        os.close(p.fd)
+        p.fd = -1
+
+    # ---- tensors -----------------------------------------------------------------------------------------
+    def tensors(self, checkpoint: Checkpoint) -> Iterator[tuple[str, object]]:
+        """(name, tensor) for every tensor of every shard, in file order; tensors are views of the shard buffer.
+
+        The next `lookahead_shards` shards are read while this one's tensors are handed out; a shard's header
+        bytes are compared with the ones verified up front before its first tensor is handed out.
+        """
+        shards = list(checkpoint.shards)
+        started: list[_PendingShard | None] = []
+        try:
+            for i in range(len(shards)):
+                while len(started) < i + 1 + self.settings.lookahead_shards and len(started) < len(shards):
+                    started.append(self._start(shards[len(started)]))
+                p = started[i]
+                assert p is not None
+                self._wait_through(p, p.shard.data_start)
+                if bytes(p.buffer[: p.shard.data_start]) != p.shard.header:
+                    raise CheckpointError(p.shard.path, "changed while loading: header differs from the one checked")
+                for t in p.shard.tensors:
+                    self._wait_through(p, t.end)
+                    yield t.name, as_tensor(p.buffer, t)
+                    self.counters.add("tensors", 1)
+                self._finish(p)
+                self.counters.add("shards", 1)
+                started[i] = None  # drop the buffer once its tensors are copied
+        finally:
+            for p in started:
+                if p is not None:
+                    for t in p.tickets:
+                        t.cancel()
+                    with contextlib.suppress(BaseException):
+                        self._wait_all(p)
+                    if p.fd >= 0:
+                        os.close(p.fd)
+
+    def _wait_all(self, p: _PendingShard) -> None:
+        for t in p.tickets:
+            if not t.future.cancelled():
+                t.future.exception()
+
+    def wait_cache(self) -> int:
+        """Wait until every block put into the cache is durable; return how many failed (logged, not raised)."""
+        failed = 0
+        for fut in self._puts:
+            try:
+                fut.result()
+            except Exception as err:  # a cache that cannot take the weights degrades to no cache
+                failed += 1
+                if failed == 1:
+                    log.warning("kvprefetch loader: weight cache write failed (%s); the next load reads the source",
+                                err)  # fmt: skip
+        self._puts.clear()
+        return failed
+
+    def close(self) -> None:
+        self.io.close(wait=False)
+        if self.staging is not None:
+            self.staging.close()
+
+
+def as_tensor(buffer: memoryview, t: TensorEntry):
+    """A tensor viewing t's bytes in buffer (no copy)."""
+    import torch
+
+    dtype = _torch_dtype(t.dtype)
+    count = (t.end - t.begin) // dtype.itemsize
+    flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=t.begin) if count else torch.empty(0, dtype=dtype)
+    return flat.view(t.shape)
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    table = {
+        "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+        "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+        "F64": torch.float64, "F8_E5M2": torch.float8_e5m2, "F8_E4M3": torch.float8_e4m3fn,
+        "U16": getattr(torch, "uint16", None), "U32": getattr(torch, "uint32", None),
+        "U64": getattr(torch, "uint64", None), "F8_E8M0": getattr(torch, "float8_e8m0fnu", None),
+    }  # fmt: skip
+    dtype = table.get(name)
+    if dtype is None:
+        raise ValueError(f"safetensors dtype {name} has no torch dtype in this torch build")
+    return dtype

@@ -1,0 +1,115 @@
+"""The weight cache: a second load reads only the cache, a changed checkpoint never loads stale bytes, a damaged
+cache reads the source again, and every load yields exactly the checkpoint's tensors."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from kvprefetch.loader import LoaderSettings
+from kvprefetch.loader.vllm_loader import iterate_weights
+
+
+class Owner:
+    last_load = None
+
+
+def load(path, settings: LoaderSettings) -> tuple[dict[str, np.ndarray], dict]:
+    owner = Owner()
+    out = {name: t.numpy().copy() for name, t in iterate_weights(path, settings, owner)}
+    return out, owner.last_load.as_dict()
+
+
+def expected(path) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out |= load_file(str(f))
+    return out
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name, arr in want.items():
+        assert got[name].dtype == arr.dtype and got[name].shape == arr.shape, name
+        assert got[name].tobytes() == arr.tobytes(), name
+
+
+def test_tensors_are_the_checkpoints_bytes_with_and_without_staging_and_small_blocks(ckpt):
+    want = expected(ckpt)
+    for settings in (LoaderSettings(staging="auto"), LoaderSettings(block_bytes="64KiB", read_inflight_bytes="128KiB",
+                                                      staging="off", lookahead_shards=0, direct_io=False)):  # fmt: skip
+        got, counters = load(ckpt, settings)
+        assert_same(got, want)
+        assert counters["source_bytes"] == sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+
+
+def test_second_load_reads_only_the_cache(ckpt, cache_settings):
+    want = expected(ckpt)
+    first, c1 = load(ckpt, cache_settings())
+    assert c1["cache_bytes"] == 0 and c1["cache_put_bytes"] > 0
+    second, c2 = load(ckpt, cache_settings())  # from the node's DRAM pool
+    third, c3 = load(ckpt, cache_settings(restarted=True))  # from the local disk cache
+    for c in (c2, c3):
+        assert c["source_bytes"] == 0 and c["cache_bytes"] == c1["cache_put_bytes"]
+    for got in (first, second, third):
+        assert_same(got, want)
+
+
+def rewrite_shard(path, tensors: dict[str, np.ndarray]) -> None:
+    """Rewrite a shard in place with other values, same names and shapes (so the same header bytes)."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def test_changed_checkpoint_never_loads_stale_bytes(ckpt, cache_settings):
+    load(ckpt, cache_settings())
+    victim = sorted(ckpt.glob("*.safetensors"))[1]
+    changed = {n: a + 1 for n, a in load_file(str(victim)).items()}
+    rewrite_shard(victim, changed)
+    got, counters = load(ckpt, cache_settings(restarted=True))
+    assert_same(got, expected(ckpt))
+    assert counters["source_bytes"] == victim.stat().st_size  # only the changed shard came from the source
+
+
+def test_full_identity_catches_a_rewrite_that_kept_size_header_and_mtime(ckpt, cache_settings):
+    """The default identity trusts the mtime; a writer that restores it defeats it, the full hash does not."""
+    victim = sorted(ckpt.glob("*.safetensors"))[0]
+    load(ckpt, cache_settings(identity="full"))
+    st = victim.stat()
+    rewrite_shard(victim, {n: a * 2 for n, a in load_file(str(victim)).items()})
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    got, _ = load(ckpt, cache_settings(identity="full", restarted=True))
+    assert_same(got, expected(ckpt))
+
+
+def test_damaged_cache_reads_the_source_again(ckpt, cache_settings, tmp_path):
+    load(ckpt, cache_settings())
+    files = [f for f in (tmp_path / "wcache").rglob("*.kv")]
+    assert files
+    for f in files:
+        with open(f, "r+b") as fh:
+            fh.seek(f.stat().st_size // 2)
+            b = fh.read(1)
+            fh.seek(-1, 1)
+            fh.write(bytes([b[0] ^ 0xFF]))
+    got, counters = load(ckpt, cache_settings(restarted=True))
+    assert_same(got, expected(ckpt))
+    assert counters["source_bytes"] > 0
+
+
+def test_cache_directory_unusable_at_load_time_degrades_to_the_source(ckpt, cache_settings, tmp_path):
+    settings = cache_settings()  # valid when configured
+    (tmp_path / "wcache").write_text("a file where the cache directory was")
+    got, counters = load(ckpt, settings)
+    assert_same(got, expected(ckpt))
+    assert counters["cache_bytes"] == 0 and counters["source_bytes"] > 0
+
+
+def test_cache_directory_unusable_when_configured_is_a_clear_error(tmp_path):
+    from kvprefetch.config import ConfigError
+
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ConfigError, match="not a directory"):
+        LoaderSettings.from_extra_config({"cache": {"disk": {"path": str(tmp_path / "f" / "sub")}}})
