@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -78,8 +78,25 @@ class PrefetchHandle:
                 pass
         return True
 
-    def cancel(self) -> int:
-        return sum(1 for t in self.tickets.values() if t.cancel())
+    @property
+    def num_reads(self) -> int:
+        """Chunks this prefetch reads from below DRAM (the others were in DRAM already)."""
+        return len(self.tickets)
+
+    def pending(self) -> int:
+        """Reads not finished yet (queued or running)."""
+        return sum(1 for t in self.tickets.values() if not t.done())
+
+    def cancel(self, keys: Sequence[bytes] | None = None) -> int:
+        """Drop the reads (of ``keys``, default all) not started yet; return how many were dropped."""
+        tickets = self.tickets.values() if keys is None else [self.tickets[k] for k in keys if k in self.tickets]
+        return sum(1 for t in tickets if t.cancel())
+
+    def on_ready(self, callback: Callable[[bytes, bool], None]) -> None:
+        """Call ``callback(key, in_dram)`` once per read as it finishes (at once for reads already finished;
+        otherwise on an I/O thread). ``in_dram`` is False for a read that failed or was dropped."""
+        for key, ticket in self.tickets.items():
+            ticket.future.add_done_callback(lambda _f, key=key, ticket=ticket: callback(key, ticket_ok(ticket, key)))
 
     def results(self) -> dict[bytes, bool | None]:
         """Per chunk: True once in DRAM, False if its read failed or was dropped, None while in flight.

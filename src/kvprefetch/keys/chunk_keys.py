@@ -26,6 +26,14 @@ class ChunkKeyer:
         self.chunk_tokens = chunk_tokens
         self._root = blake3.blake3(namespace.digest + chunk_tokens.to_bytes(4, "little")).digest()
 
+    def for_rank(self, tp_rank: int) -> ChunkKeyer:
+        """The keyer of another tensor-parallel rank (same chunking, that rank's namespace)."""
+        return ChunkKeyer(self.namespace.for_rank(tp_rank), self.chunk_tokens)
+
+    def rank_keyers(self) -> list[ChunkKeyer]:
+        """One keyer per tensor-parallel rank of the namespace's deployment, rank order."""
+        return [self if r == self.namespace.tp_rank else self.for_rank(r) for r in range(self.namespace.tp_size)]
+
     def num_chunks(self, num_tokens: int) -> int:
         """Whole chunks in a prompt of num_tokens (a trailing partial chunk has no key)."""
         return num_tokens // self.chunk_tokens

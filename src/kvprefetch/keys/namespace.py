@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import blake3
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class KVNamespace(BaseModel):
@@ -26,6 +26,17 @@ class KVNamespace(BaseModel):
     tp_size: int = Field(default=1, ge=1)
     layout: str = Field(default="kv", description="Byte order of a chunk inside the payload (format tag).")
     tenant: str | None = Field(default=None, description="Optional salt isolating tenants that share a cache.")
+
+    @model_validator(mode="after")
+    def _rank_in_group(self) -> KVNamespace:
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} is not below tp_size {self.tp_size}")
+        return self
+
+    def for_rank(self, tp_rank: int) -> KVNamespace:
+        """The namespace of another tensor-parallel rank of the same deployment: each rank holds other KV heads,
+        so other bytes, under keys of its own."""
+        return KVNamespace.model_validate(self.model_dump() | {"tp_rank": tp_rank})
 
     @property
     def digest(self) -> bytes:

@@ -47,110 +47,76 @@ Connector keys (besides the store's):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvprefetch.config import StoreConfig
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError
+
+from kvprefetch.config import ConfigError, StoreConfig, _explain
 
 LoadPolicy = Literal["auto", "always", "never"]
 LoadMode = Literal["async", "sync", "auto"]
 
-_CONNECTOR_KEYS = {
-    "model_id": "Model identity used in chunk keys (default: the model path/name and revision).",
-    "tenant": "Salt isolating tenants that share a cache.",
-    "load_policy": "auto (load only what beats recompute), always, never (save only).",
-    "load_mode": "async (default: a request whose chunks are on disk waits alone), sync (the step waits) or auto "
-    "(whichever costs the batch less, per request).",
-    "layerwise": "Load layer by layer inside the forward pass (default true).",
-    "save": "Save new whole chunks to the store (default true).",
-    "metrics_port": "Serve Prometheus metrics on this port (scheduler process).",
-    "metrics_dir": "prometheus_client multiprocess directory (PROMETHEUS_MULTIPROC_DIR).",
-    "log_interval_s": "Seconds between one-line counter summaries in the log (0: never).",
-    "disk_bps_prior": "Disk read bytes/s assumed until measured.",
-    "prefill_tps_prior": "Prefill tokens/s assumed until measured (unset: loads pay until measured).",
-    "on_load_failure": "recompute (default: a failed chunk is a miss) or fail (vLLM's own default policy).",
-    "load_margin": "Load a chunk only if its load time * margin <= its recompute time (default 1.0).",
-}
 
+class ConnectorSettings(BaseModel):
+    """The connector's own keys (validated; an unknown key or a bad value is named in the error) and the store's
+    config. ``store`` is built from the extra config's remaining keys by `parse_extra_config`."""
 
-@dataclass
-class ConnectorSettings:
-    store: StoreConfig
-    model_id: str | None = None
-    tenant: str | None = None
-    load_policy: LoadPolicy = "auto"
-    load_mode: LoadMode = "async"
-    layerwise: bool = True
-    save: bool = True
-    metrics_port: int | None = None
-    metrics_dir: str | None = None
-    log_interval_s: float = 60.0
-    disk_bps_prior: float | None = None
-    prefill_tps_prior: float | None = None
-    load_margin: float = 1.0
-    on_load_failure: Literal["recompute", "fail"] = "recompute"
-    extra: dict[str, Any] = field(default_factory=dict)
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    store: StoreConfig = Field(description="The store's config (every key that is not the connector's own).")
+    model_id: str | None = Field(
+        default=None, description="Model identity used in chunk keys (default: the model path/name and revision)."
+    )
+    tenant: str | None = Field(default=None, description="Salt isolating tenants that share a cache.")
+    load_policy: LoadPolicy = Field(
+        default="auto", description="auto (load only what beats recompute), always, never (save only)."
+    )
+    load_mode: LoadMode = Field(
+        default="async",
+        description="async (default: a request whose chunks are on disk waits alone), sync (the step waits) or "
+        "auto (whichever costs the batch less, per request).",
+    )
+    layerwise: bool = Field(default=True, description="Load layer by layer inside the forward pass (default true).")
+    save: bool = Field(default=True, description="Save new whole chunks to the store (default true).")
+    metrics_port: int | None = Field(
+        default=None, ge=1, le=65535, description="Serve Prometheus metrics on this port (scheduler process)."
+    )
+    metrics_dir: str | None = Field(
+        default=None, description="prometheus_client multiprocess directory (PROMETHEUS_MULTIPROC_DIR)."
+    )
+    log_interval_s: float = Field(
+        default=60.0, ge=0, description="Seconds between one-line counter summaries in the log (0: never)."
+    )
+    disk_bps_prior: PositiveFloat | None = Field(default=None, description="Disk read bytes/s assumed until measured.")
+    prefill_tps_prior: PositiveFloat | None = Field(
+        default=None, description="Prefill tokens/s assumed until measured (unset: loads pay until measured)."
+    )
+    load_margin: PositiveFloat = Field(
+        default=1.0, description="Load a chunk only if its load time * margin <= its recompute time (default 1.0)."
+    )
+    on_load_failure: Literal["recompute", "fail"] = Field(
+        default="recompute",
+        description="recompute (default: a failed chunk is a miss) or fail (vLLM's own default policy).",
+    )
 
     @property
     def prefetch(self) -> bool:
         return bool(self.store.prefetch)
 
 
+# The connector's own keys and what they mean (the rest of the extra config is the store's).
+_CONNECTOR_KEYS: dict[str, str] = {
+    name: f.description or "" for name, f in ConnectorSettings.model_fields.items() if name != "store"
+}
+
+
 def parse_extra_config(extra: dict[str, Any] | None) -> ConnectorSettings:
-    """Split vLLM's extra config into connector keys and the store config; raise ValueError on bad values."""
+    """Split vLLM's extra config into connector keys and the store config; raise ConfigError (a ValueError)
+    naming every bad key and value."""
     data = dict(extra or {})
     own = {k: data.pop(k) for k in list(data) if k in _CONNECTOR_KEYS}
     store = StoreConfig.from_dict(data)
-    policy = own.get("load_policy", "auto")
-    if policy not in ("auto", "always", "never"):
-        raise ValueError(f"load_policy must be auto, always or never, got {policy!r}")
-    s = ConnectorSettings(store=store, extra=dict(extra or {}))
-    s.model_id = own.get("model_id")
-    s.tenant = own.get("tenant")
-    s.load_policy = policy
-    s.load_mode = own.get("load_mode", "async")
-    if s.load_mode not in ("async", "sync", "auto"):
-        raise ValueError(f"load_mode must be async, sync or auto, got {s.load_mode!r}")
-    s.layerwise = _bool(own.get("layerwise", True), "layerwise")
-    s.save = _bool(own.get("save", True), "save")
-    s.metrics_port = _opt_int(own.get("metrics_port"), "metrics_port")
-    s.metrics_dir = own.get("metrics_dir")
-    s.log_interval_s = float(own.get("log_interval_s", 60.0))
-    s.disk_bps_prior = _opt_float(own.get("disk_bps_prior"), "disk_bps_prior")
-    s.prefill_tps_prior = _opt_float(own.get("prefill_tps_prior"), "prefill_tps_prior")
-    s.load_margin = float(own.get("load_margin", 1.0))
-    s.on_load_failure = own.get("on_load_failure", "recompute")
-    if s.on_load_failure not in ("recompute", "fail"):
-        raise ValueError(f"on_load_failure must be recompute or fail, got {s.on_load_failure!r}")
-    if s.load_margin <= 0:
-        raise ValueError("load_margin must be positive")
-    return s
-
-
-def _bool(v: Any, name: str) -> bool:
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, str) and v.lower() in ("true", "false", "1", "0", "yes", "no"):
-        return v.lower() in ("true", "1", "yes")
-    raise ValueError(f"{name} must be a boolean, got {v!r}")
-
-
-def _opt_int(v: Any, name: str) -> int | None:
-    if v is None:
-        return None
     try:
-        return int(v)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be an integer, got {v!r}") from None
-
-
-def _opt_float(v: Any, name: str) -> float | None:
-    if v is None:
-        return None
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {v!r}") from None
-    if f <= 0:
-        raise ValueError(f"{name} must be positive, got {v!r}")
-    return f
+        return ConnectorSettings(store=store, **own)
+    except ValidationError as err:
+        raise ConfigError(_explain(err, source="kv_connector_extra_config")) from None
