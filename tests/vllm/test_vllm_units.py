@@ -223,15 +223,27 @@ def test_counters_export_to_prometheus(tmp_path):
 
 
 class FakeHandle:
-    def __init__(self):
+    """`PrefetchHandle`'s API over reads that finish when the test says so."""
+
+    def __init__(self, reads):
+        self.reads = list(reads)
         self.finished = False
-        self.tickets = {}
 
-    def done(self):
+    @property
+    def num_reads(self):
+        return len(self.reads)
+
+    def pending(self):
+        return 0 if self.finished else len(self.reads)
+
+    def cancel(self, keys=None):
+        return 0 if self.finished else len(self.reads if keys is None else [k for k in keys if k in self.reads])
+
+    def on_ready(self, callback):
+        pass
+
+    def wait(self, timeout=None):
         return self.finished
-
-    def cancel(self):
-        return 0 if self.finished else 1
 
 
 class FakeStore:
@@ -249,8 +261,7 @@ class FakeStore:
         return SimpleNamespace(tiers=out, num_hit_chunks=len(out))
 
     def prefetch(self, keys, to=None, deadline=None):
-        h = FakeHandle()
-        h.tickets = {k: None for k in keys if self.tiers.get(k) == "disk"}
+        h = FakeHandle([k for k in keys if self.tiers.get(k) == "disk"])
         self.handles.append(h)
         return h
 
@@ -273,7 +284,7 @@ def make_scheduler(prefetch=True, **extra):
     store = FakeStore()
     blocks = {}
     side = SchedulerSide(
-        settings, keyer, store, block_size=128, blocks_per_chunk=2, chunk_bytes=1000, world_size=1,
+        settings, keyer, store, block_size=128, blocks_per_chunk=2, chunk_bytes=1000,
         counters=ConnectorCounters("scheduler"), get_block_ids=lambda rid: blocks.get(rid, []),
     )
     return side, store, keyer, blocks
@@ -296,7 +307,7 @@ def test_scheduler_prefetches_on_arrival_and_loads_async_until_in_dram():
         store.tiers[k] = "disk"
     r = req(toks)
     side.on_new_request(r)
-    assert len(store.handles) == 1 and len(store.handles[0].tickets) == 3  # read starts on arrival
+    assert len(store.handles) == 1 and store.handles[0].num_reads == 3  # read starts on arrival
     n, is_async = side.get_num_new_matched_tokens(r, 0)
     assert (n, is_async) == (768, True)
     assert side.counters.snapshot()["prefetch_late"] == 1
@@ -419,17 +430,17 @@ def test_scheduler_holds_prefetched_chunks_in_dram_until_the_request_is_served(t
         settings = parse_extra_config(cfg | {"dram": cfg["dram"] | {"pool_name": pools[-1]}})
         store = TieredStore(settings.store, chunk)
         side = SchedulerSide(settings, keyer, store, block_size=128, blocks_per_chunk=2, chunk_bytes=chunk,
-                             world_size=1, counters=ConnectorCounters("scheduler"))
+                             counters=ConnectorCounters("scheduler"))
         r = req(toks)
         side.on_new_request(r)
         assert side.reqs[r.request_id].prefetch.wait(10)
         deadline = time.monotonic() + 5
-        while side._held < len(keys) and time.monotonic() < deadline:
+        while side.holds.held < len(keys) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert side._held == len(keys) and store.dram.stats()["slots_pinned"] == len(keys)
-        assert side._hold_budget == 64 * 8192 // chunk // 2
+        assert side.holds.held == len(keys) and store.dram.stats()["slots_pinned"] == len(keys)
+        assert side.holds.budget == 64 * 8192 // chunk // 2
         side.request_finished(r)
-        assert side._held == 0 and store.dram.stats()["slots_pinned"] == 0
+        assert side.holds.held == 0 and store.dram.stats()["slots_pinned"] == 0
         store.close()
     finally:
         from pathlib import Path
@@ -475,9 +486,102 @@ def test_scheduler_auto_mode_finishes_a_late_prefetch_in_the_step_unless_that_st
     busy = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
                            num_scheduled_tokens={f"x{i}": 1 for i in range(4)}, total_num_scheduled_tokens=4)
     side.build_connector_meta(busy)
-    store.handles[0].tickets, store.handles[0].finished = {}, True  # r's reads are over: no queue ahead of r2's
+    store.handles[0].finished = True  # r's reads are over: no queue ahead of r2's
     side.cost.observe_disk(1000, 0.1)
     r2 = req(toks[:1000] + [7] * 100)
     side.on_new_request(r2)
     assert side.get_num_new_matched_tokens(r2, 0) == (768, True)
     assert side.counters.snapshot()["finished_in_step"] == 1
+
+# ---- tensor parallelism --------------------------------------------------------------------------------------
+
+
+def test_every_rank_has_keys_of_its_own():
+    from kvprefetch.keys import ChunkKeyer, KVNamespace
+
+    toks = list(range(1024))
+    ns = KVNamespace(model="m", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", tp_size=2)
+    keyers = ChunkKeyer(ns, 256).rank_keyers()
+    assert [k.namespace.tp_rank for k in keyers] == [0, 1]
+    k0, k1 = (k.keys(toks) for k in keyers)
+    tp1 = ChunkKeyer(ns.model_copy(update={"tp_size": 1}), 256).keys(toks)
+    assert len(set(k0) | set(k1) | set(tp1)) == 12  # no two ranks, nor TP=1 and TP=2, share a key
+    assert ChunkKeyer(ns.for_rank(1), 256).rank_keyers()[0].keys(toks) == k0  # any rank derives them all
+    with pytest.raises(ValueError, match="tp_rank 2 is not below tp_size 2"):
+        ns.for_rank(2)
+
+
+def test_pipeline_parallelism_is_refused_by_name():
+    from kvprefetch.vllm.connector import check_parallelism
+
+    check_parallelism(SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=8))
+    with pytest.raises(NotImplementedError, match="pipeline_parallel_size=2"):
+        check_parallelism(SimpleNamespace(pipeline_parallel_size=2, tensor_parallel_size=1))
+
+
+def test_settings_errors_name_the_key_and_value():
+    for bad, words in [
+        ({"load_mode": "eventually"}, ["load_mode", "eventually"]),
+        ({"load_margin": -1}, ["load_margin", "-1"]),
+        ({"metrics_port": "http"}, ["metrics_port", "http"]),
+        ({"no_such_key": 1}, ["no_such_key"]),
+        ({"dram": {"capacity_bytes": "lots"}}, ["dram.capacity_bytes", "lots"]),
+    ]:
+        with pytest.raises(ValueError) as err:
+            parse_extra_config(bad)
+        assert all(w in str(err.value) for w in words), (bad, str(err.value))
+
+
+def test_scheduler_tp2_hit_needs_every_rank_and_prefetches_and_holds_both(tmp_path):
+    """Rank 1 has only the first two of four chunks: the hit is two chunks; both ranks' parts are read into
+    DRAM on arrival, held there for the request, handed to the workers under each rank's keys, and released
+    once the load has run."""
+    import uuid
+    from pathlib import Path
+
+    import numpy as np
+
+    from kvprefetch.config import StoreConfig
+    from kvprefetch.keys import ChunkKeyer, KVNamespace
+    from kvprefetch.store import TieredStore
+    from kvprefetch.vllm.scheduler import Phase, SchedulerSide
+
+    chunk = 4096
+    cfg = {"dram": {"capacity_bytes": 64 * 8192}, "disk": {"path": str(tmp_path), "fsync": False}}
+    ns = KVNamespace(model="m", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", tp_size=2)
+    keyer = ChunkKeyer(ns, 256)
+    toks = list(range(1100))
+    k0, k1 = (k.keys(toks) for k in keyer.rank_keyers())
+    pools = [f"kvpt-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    try:
+        writer = TieredStore(StoreConfig.from_dict(cfg | {"dram": cfg["dram"] | {"pool_name": pools[0]}}), chunk)
+        writer.put(k0 + k1[:2], [np.full(chunk, i, np.uint8) for i in range(6)]).result(timeout=30)
+        writer.close()
+        settings = parse_extra_config(cfg | {"dram": cfg["dram"] | {"pool_name": pools[1]}})  # fresh DRAM
+        store = TieredStore(settings.store, chunk)
+        side = SchedulerSide(settings, keyer, store, block_size=128, blocks_per_chunk=2, chunk_bytes=chunk,
+                             counters=ConnectorCounters("scheduler"))  # fmt: skip
+        assert side.tp_size == 2 and side.cost.chunk_bytes == 2 * chunk  # the rule weighs every rank's bytes
+        r = req(toks)
+        side.on_new_request(r)
+        st = side.reqs[r.request_id]
+        assert st.phase is Phase.PREFETCHING and st.prefetch is not None and st.prefetch.num_reads == 4
+        assert side.wait_for_reads(30)
+        assert side.get_num_new_matched_tokens(r, 0) == (512, False)  # two chunks, both ranks in DRAM: sync
+        ranks = side.rank_counters.snapshot()
+        for rank in (0, 1):
+            assert ranks[rank]["prefetched_chunks"] == 2 and ranks[rank]["reached_in_dram_chunks"] == 2
+        side.update_state_after_alloc(r, list(range(10, 19)), 512)
+        assert st.phase is Phase.LOADING and st.holds == {*k0[:2], *k1[:2]} and side.holds.held == 4
+        so = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+                             num_scheduled_tokens={}, total_num_scheduled_tokens=0)  # fmt: skip
+        job = side.build_connector_meta(so).loads[0]
+        assert job.keys == [k0[:2], k1[:2]] and job.block_ids == [[10, 11], [12, 13]] and not job.is_async
+        side.build_connector_meta(so)  # the step with the load has run
+        assert st.phase is Phase.DONE and side.holds.held == 0 and store.dram.stats()["slots_pinned"] == 0
+        side.request_finished(r)
+        store.close()
+    finally:
+        for n in pools:
+            for f in Path("/dev/shm").glob(f"*{n}*"):
+                f.unlink(missing_ok=True)

@@ -14,7 +14,6 @@ so both halves see one copy of every chunk. The scheduler half (`scheduler.py`) 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -39,6 +38,8 @@ from kvprefetch.vllm.worker import WorkerSide
 if TYPE_CHECKING:
     import torch
 
+    from kvprefetch.store import TieredStore
+
 log = logging.getLogger("kvprefetch.vllm")
 _INSTANCES: weakref.WeakSet[KVPrefetchConnector] = weakref.WeakSet()
 
@@ -52,8 +53,11 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def namespace_for(vllm_config: Any, spec: Any, num_layers: int, settings: ConnectorSettings) -> KVNamespace:
-    """Everything that changes a chunk's bytes: model, layer geometry, dtype, TP size, page layout."""
+def namespace_for(
+    vllm_config: Any, spec: Any, num_layers: int, settings: ConnectorSettings, tp_rank: int = 0
+) -> KVNamespace:
+    """Everything that changes a chunk's bytes: model, layer geometry, dtype, TP size and rank, page layout.
+    (``spec.num_kv_heads`` is one rank's heads; `KVNamespace.for_rank` gives the other ranks'.)"""
     mc = vllm_config.model_config
     model_id = settings.model_id or f"{mc.model}@{getattr(mc, 'revision', None) or 'main'}"
     from vllm.platforms import current_platform
@@ -68,22 +72,25 @@ def namespace_for(vllm_config: Any, spec: Any, num_layers: int, settings: Connec
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_size,
         dtype=dtype,
-        tp_rank=0,
+        tp_rank=tp_rank,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
         layout=layout,
         tenant=settings.tenant,
     )
 
 
-def _rank_keys(keys: list[bytes], rank: int) -> list[bytes]:
-    """Keys of tensor-parallel rank > 0 (each rank holds other heads, so other bytes, under its own keys)."""
-    if rank == 0:
-        return keys
-    tag = rank.to_bytes(4, "little")
-    return [hashlib.blake2b(k + tag, digest_size=len(k)).digest() for k in keys]
+def check_parallelism(parallel_config: Any) -> None:
+    """Tensor parallelism is supported (every rank's chunks are keyed, prefetched and loaded); pipeline
+    parallelism is not (a rank would hold only some layers of a chunk): refuse it by name at start-up."""
+    pp = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
+    if pp > 1:
+        raise NotImplementedError(
+            f"KVPrefetchConnector does not support pipeline parallelism (pipeline_parallel_size={pp}); "
+            "use tensor parallelism (tensor_parallel_size) only"
+        )
 
 
-def open_store(settings: ConnectorSettings, chunk_bytes: int):
+def open_store(settings: ConnectorSettings, chunk_bytes: int) -> TieredStore:
     from kvprefetch.store import TieredStore
 
     config = settings.store
@@ -100,6 +107,7 @@ class KVPrefetchConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         check_version()
+        check_parallelism(vllm_config.parallel_config)
         _INSTANCES.add(self)
         self.settings = parse_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         # Failure = miss: vLLM's default policy fails the request on a load error; ours recomputes the blocks.
@@ -114,15 +122,17 @@ class KVPrefetchConnector(KVConnectorBase_V1):
                 "kvprefetch: chunk_tokens %d is not a multiple of vLLM's block size %d; using %d",
                 self.settings.store.chunk_tokens, spec.block_size, chunk_tokens,
             )
-        self.geo = geometry_from_spec(spec, len(layer_names), chunk_tokens)
-        self.namespace = namespace_for(vllm_config, spec, len(layer_names), self.settings)
+        self.geo = geometry_from_spec(spec, len(layer_names), chunk_tokens)  # one rank's part of a chunk
+        is_scheduler = role == KVConnectorRole.SCHEDULER
+        tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.rank = 0 if is_scheduler or tp_size == 1 else _tp_rank()
+        self.namespace = namespace_for(vllm_config, spec, len(layer_names), self.settings, self.rank)
         self.keyer = ChunkKeyer(self.namespace, chunk_tokens)
-        pc = vllm_config.parallel_config
-        self.counters = ConnectorCounters("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
+        self.counters = ConnectorCounters("scheduler" if is_scheduler else "worker")
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._reporter: Reporter | None = None
-        if role == KVConnectorRole.SCHEDULER:
+        if is_scheduler:
             store = open_store(self.settings, self.geo.chunk_bytes)
             self._sched = SchedulerSide(
                 self.settings,
@@ -131,7 +141,6 @@ class KVPrefetchConnector(KVConnectorBase_V1):
                 block_size=self.block_size,
                 blocks_per_chunk=self.geo.blocks_per_chunk,
                 chunk_bytes=self.geo.chunk_bytes,
-                world_size=pc.world_size,
                 counters=self.counters,
                 get_block_ids=self._block_ids,
             )
@@ -140,24 +149,24 @@ class KVPrefetchConnector(KVConnectorBase_V1):
                 metrics_dir=self.settings.metrics_dir, metrics_port=self.settings.metrics_port, serve=True,
             )
             log.info(
-                "kvprefetch: scheduler side up (chunk %d tokens = %d B, prefetch %s, load_mode %s, namespace %s)",
-                chunk_tokens, self.geo.chunk_bytes, "on" if self.settings.prefetch else "off",
+                "kvprefetch: scheduler side up (chunk %d tokens = %d B per rank x %d ranks, prefetch %s, "
+                "load_mode %s, namespace %s)",
+                chunk_tokens, self.geo.chunk_bytes, self.namespace.tp_size, "on" if self.settings.prefetch else "off",
                 self.settings.load_mode, self.namespace.short_id,
             )
         else:
-            rank = _tp_rank()
             expected = self.geo.chunk_bytes
 
-            def _open(chunk_bytes: int):
+            def _open(chunk_bytes: int) -> TieredStore:
                 if chunk_bytes != expected:
                     raise RuntimeError(
                         f"kvprefetch: worker chunk size {chunk_bytes} B != scheduler's {expected} B "
                         "(unexpected KV page layout)"
                     )
-                return _RankStore(open_store(self.settings, chunk_bytes), rank)
+                return open_store(self.settings, chunk_bytes)
 
             self._worker = WorkerSide(
-                layer_names, num_blocks_of(kv_cache_config), self.block_size, chunk_tokens, _open,
+                self.rank, layer_names, num_blocks_of(kv_cache_config), self.block_size, chunk_tokens, _open,
                 self.counters, layerwise=self.settings.layerwise,
             )
 
@@ -173,6 +182,7 @@ class KVPrefetchConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
+        assert self._worker.store is not None
         self._reporter = Reporter(
             self.counters, self._worker.store.stats, interval_s=self.settings.log_interval_s,
             metrics_dir=self.settings.metrics_dir, metrics_port=None, serve=False,
@@ -263,7 +273,11 @@ class KVPrefetchConnector(KVConnectorBase_V1):
         return self._sched.request_finished(request), None
 
     @property
-    def store(self) -> Any:
+    def is_scheduler(self) -> bool:
+        return self._sched is not None
+
+    @property
+    def store(self) -> TieredStore | None:
         if self._sched is not None:
             return self._sched.store
         return self._worker.store if self._worker is not None else None
@@ -271,38 +285,27 @@ class KVPrefetchConnector(KVConnectorBase_V1):
     def stats(self) -> dict[str, Any]:
         return self.counters.snapshot()
 
+    def flush(self, timeout: float = 60) -> bool:
+        """Until every save this half has started is in the store and written back (False on timeout)."""
+        if self._worker is not None:
+            return self._worker.flush(timeout)
+        return self.store is None or self.store.flush(timeout)
+
     def cost_snapshot(self) -> dict[str, Any] | None:
         """The scheduler side's load-or-recompute estimates (measured rates, priors until measured)."""
         return self._sched.cost_snapshot() if self._sched is not None else None
 
+    def rank_stats(self) -> dict[int, dict[str, int]] | None:
+        """(Scheduler side) counters per tensor-parallel rank: prefetches and lookups here, the workers' loads
+        and saves as they reported them with each step's output."""
+        return self._sched.rank_counters.snapshot() if self._sched is not None else None
 
-class _RankStore:
-    """The store as one tensor-parallel rank sees it (rank > 0 keys its chunks apart)."""
-
-    def __init__(self, store: Any, rank: int):
-        self._s = store
-        self._rank = rank
-
-    def get_into(self, keys, buffers):
-        return self._s.get_into(_rank_keys(list(keys), self._rank), buffers)
-
-    def put(self, keys, buffers):
-        return self._s.put(_rank_keys(list(keys), self._rank), buffers)
-
-    def view(self, keys):
-        return self._s.view(_rank_keys(list(keys), self._rank))
-
-    def lookup(self, keys):
-        return self._s.lookup(_rank_keys(list(keys), self._rank))
-
-    def __getattr__(self, name: str):
-        return getattr(self._s, name)
+    def wait_for_prefetches(self, timeout: float) -> bool:
+        """(Scheduler side) Wait until every known request's reads into DRAM have finished; False on timeout."""
+        return self._sched.wait_for_reads(timeout) if self._sched is not None else True
 
 
 def _tp_rank() -> int:
-    try:
-        from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.distributed import get_tensor_model_parallel_rank
 
-        return int(get_tensor_model_parallel_rank())
-    except Exception:
-        return 0
+    return int(get_tensor_model_parallel_rank())

@@ -55,10 +55,10 @@ this much (a decode step of the packaged tiny model on this CPU: 3-6 ms)."""
 class TierMeter:
     """Throughput of one tier's reads, from their completions: bytes / busy time, and the ops still queued.
 
-    ``track(futures, nbytes)`` is called for each batch of reads submitted; a completion callback counts the
-    bytes. While at least one read is outstanding the tier is busy; every ``sample_ops`` completions (or when
-    the tier goes idle) bytes / busy-seconds since the last sample is one observation. ``outstanding`` is the
-    queue in front of a new read (in ops).
+    ``started(n)`` is called for each batch of reads submitted and ``completed(ok, nbytes)`` as each finishes
+    (``track(futures, nbytes)`` wires both to futures). While at least one read is outstanding the tier is
+    busy; every ``sample_ops`` completions (or when the tier goes idle) bytes / busy-seconds since the last
+    sample is one observation. ``outstanding`` is the queue in front of a new read (in ops).
     """
 
     def __init__(self, on_sample: Callable[[int, float], None], sample_ops: int = 4,
@@ -73,19 +73,24 @@ class TierMeter:
         self._ops = 0
 
     def track(self, futures: Sequence[Any], nbytes: int) -> None:
+        """Watch a batch of read futures of ``nbytes`` each (a read counts its bytes if it did not fail)."""
         futs = [f for f in futures if f is not None]
-        if not futs:
+        self.started(len(futs))
+        for f in futs:
+            f.add_done_callback(lambda fut, n=nbytes: self.completed(_moved(fut), n))
+
+    def started(self, n: int) -> None:
+        """n reads were submitted to the tier."""
+        if n <= 0:
             return
         with self._lock:
             if self.outstanding == 0:
                 self._mark = self._clock()
                 self._bytes = self._ops = 0
-            self.outstanding += len(futs)
-        for f in futs:
-            f.add_done_callback(lambda fut, n=nbytes: self._done(fut, n))
+            self.outstanding += n
 
-    def _done(self, fut: Any, nbytes: int) -> None:
-        ok = not fut.cancelled() and fut.exception() is None
+    def completed(self, ok: bool, nbytes: int) -> None:
+        """One of them finished (ok: it moved its nbytes; else it failed or was dropped)."""
         sample = None
         with self._lock:
             self.outstanding -= 1
@@ -100,6 +105,10 @@ class TierMeter:
                 self._mark = self._clock()
         if sample is not None and sample[1] > 1e-6:
             self._on_sample(*sample)
+
+
+def _moved(fut: Any) -> bool:
+    return not fut.cancelled() and fut.exception() is None
 
 
 @dataclass

@@ -12,10 +12,11 @@ from kvprefetch.vllm.compat import KVConnectorMetadata, KVConnectorWorkerMetadat
 
 @dataclass
 class LoadJob:
-    """Copy chunks ``keys`` from the store into blocks ``block_ids[i]`` (per chunk; -1 = block already there)."""
+    """Copy chunks from the store into blocks ``block_ids[i]`` (per chunk; -1 = block already there). Tensor-
+    parallel rank r copies its own part of chunk i, stored under ``keys[r][i]``."""
 
     req_id: str
-    keys: list[bytes]
+    keys: list[list[bytes]]
     block_ids: list[list[int]]
     is_async: bool  # True: load between steps, report via get_finished; False: this step, layer by layer
     cancelled: bool = False  # the request finished first: copy nothing, just report it finished
@@ -24,14 +25,19 @@ class LoadJob:
     awaits_prefetch: bool = False
     on_disk: int = 0  # chunks that were below DRAM when planned (sync mode: the worker reads them itself)
 
+    @property
+    def num_chunks(self) -> int:
+        return len(self.block_ids)
+
 
 @dataclass
 class SaveJob:
-    """Copy whole chunks out of blocks ``block_ids[i]`` and put them into the store under ``keys``."""
+    """Copy whole chunks out of blocks ``block_ids[i]`` and put them into the store; rank r's part of chunk i
+    goes under ``keys[r][i]``."""
 
     job_id: int
     req_id: str
-    keys: list[bytes]
+    keys: list[list[bytes]]
     block_ids: list[list[int]]
 
 
@@ -56,7 +62,8 @@ class KVPrefetchMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVPrefetchWorkerMeta(KVConnectorWorkerMetadata):
-    """Per step, from each worker: save jobs whose source blocks are no longer needed (count of workers done)."""
+    """Per step, from each worker (vLLM aggregates the workers' records): save jobs whose source blocks are no
+    longer needed (count of workers done), the rates the cost model learns from, and per-rank counts."""
 
     saves_done: dict[int, int] = field(default_factory=dict)
     load_bytes: int = 0
@@ -65,12 +72,16 @@ class KVPrefetchWorkerMeta(KVConnectorWorkerMetadata):
     forward_seconds: float = 0.0
     disk_bytes: int = 0  # chunks the worker read from below DRAM itself (sync mode), and the time it took
     disk_seconds: float = 0.0
+    ranks: dict[int, dict[str, int]] = field(default_factory=dict)  # rank -> RANK_COUNTERS increments
+
+    def is_empty(self) -> bool:
+        return not (self.saves_done or self.load_bytes or self.step_tokens or self.disk_bytes or self.ranks)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVPrefetchWorkerMeta)
         out = KVPrefetchWorkerMeta(
             dict(self.saves_done), self.load_bytes, self.load_seconds, self.step_tokens, self.forward_seconds,
-            self.disk_bytes, self.disk_seconds,
+            self.disk_bytes, self.disk_seconds, {r: dict(v) for r, v in self.ranks.items()},
         )
         for k, v in other.saves_done.items():
             out.saves_done[k] = out.saves_done.get(k, 0) + v
@@ -79,4 +90,8 @@ class KVPrefetchWorkerMeta(KVConnectorWorkerMetadata):
         out.forward_seconds = max(out.forward_seconds, other.forward_seconds)
         out.disk_bytes += other.disk_bytes
         out.disk_seconds = max(out.disk_seconds, other.disk_seconds)
+        for r, values in other.ranks.items():
+            mine = out.ranks.setdefault(r, {})
+            for name, n in values.items():
+                mine[name] = mine.get(name, 0) + n
         return out

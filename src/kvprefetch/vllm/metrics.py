@@ -64,6 +64,41 @@ class ConnectorCounters:
             return dict(self._values)
 
 
+RANK_COUNTERS: dict[str, str] = {
+    "prefetched_chunks": "(scheduler) Reads of this rank's chunks started into DRAM (on arrival, or on demand).",
+    "reached_hit_chunks": "(scheduler) This rank's hit chunks when the scheduler first reached their request.",
+    "reached_in_dram_chunks": "(scheduler) ... of which already in DRAM then (the prefetch was in time).",
+    "loaded_chunks": "(worker) Chunks this rank copied into the engine.",
+    "loaded_bytes": "(worker) Bytes this rank copied into the engine.",
+    "saved_chunks": "(worker) Chunks this rank copied out of the engine into the store.",
+    "saved_bytes": "(worker) Bytes this rank saved.",
+}
+
+
+class RankCounters:
+    """Counters per tensor-parallel rank, kept by the scheduler side: its own per-rank prefetch and lookup
+    counts, and the workers' load/save counts, which arrive with each step's output (`KVPrefetchWorkerMeta`)."""
+
+    def __init__(self, tp_size: int):
+        self._lock = threading.Lock()
+        self._values = {r: dict.fromkeys(RANK_COUNTERS, 0) for r in range(tp_size)}
+
+    def inc(self, rank: int, name: str, n: int = 1) -> None:
+        if name not in RANK_COUNTERS:
+            raise KeyError(name)
+        with self._lock:
+            self._values[rank][name] += n
+
+    def merge(self, per_rank: dict[int, dict[str, int]]) -> None:
+        for rank, values in per_rank.items():
+            for name, n in values.items():
+                self.inc(rank, name, n)
+
+    def snapshot(self) -> dict[int, dict[str, int]]:
+        with self._lock:
+            return {r: dict(v) for r, v in self._values.items()}
+
+
 def snapshot_all() -> dict[str, int]:
     """Sum of every live connector's counters in this process (scheduler and worker sides)."""
     total = dict.fromkeys(COUNTERS, 0)

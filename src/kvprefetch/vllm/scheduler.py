@@ -1,19 +1,35 @@
 """Scheduler-side half of the connector: lookup, prefetch on arrival, the load plan, save bookkeeping.
 
-Runs in vLLM's scheduler (engine-core) process, where requests arrive. Life of a request:
+Runs in vLLM's scheduler (engine-core) process, where requests arrive. Every tensor-parallel rank holds its own
+part of a chunk (its KV heads) under keys of its own (`ChunkKeyer.rank_keyers`): the scheduler keys, looks up,
+prefetches and holds every rank's chunks, and a chunk is a hit only if every rank has it.
 
-1. ``on_new_request``: key its whole chunks, look them up and, with prefetch on, start reading its disk hits
-   into the shared DRAM pool at once, in arrival order, while it waits behind other requests.
-2. ``get_num_new_matched_tokens`` (when the scheduler reaches it): the hit beyond the engine's own prefix
-   cache, trimmed by the cost model to what loads faster than it recomputes (measured prefill speed against
-   measured disk throughput and the reads queued ahead). All of it in DRAM: a synchronous, layer-wise load in
-   this step's forward. Some still below DRAM: ``load_mode: async`` (default) makes it an asynchronous load:
-   the request waits (``WAITING_FOR_REMOTE_KVS``) without blocking the others, its reads start now if prefetch
-   is off, and the worker copies each chunk into the engine as it reaches DRAM; ``load_mode: sync`` makes it
-   a synchronous load whose disk reads the worker does inside the step (the step waits).
-3. ``build_connector_meta`` each step: the loads, which async loads' reads have settled, and the saves of
-   every whole chunk that the step completes (prompt and generated tokens).
-4. ``request_finished``: hold the blocks (True) only while a save from them may still be reading them.
+The life of a request is a small state machine (`Phase`)::
+
+    ARRIVED ──disk hits, prefetch on──> PREFETCHING          (on_new_request: reads start while it queues)
+       │                                     │
+       └──────── the scheduler reaches it ───┘               (get_num_new_matched_tokens -> `_reach`)
+                         │
+            nothing worth loading ──> RECOMPUTED             (miss, or the load-or-recompute rule says so)
+                         │
+                      PLANNED ──blocks allocated──> LOADING  (update_state_after_alloc: the job goes to the workers)
+                                                       │
+                          sync: the step ran / async: the workers report it finished
+                                                       │
+                                                     DONE
+
+    any phase ──request finished──> FINISHED   (prefetch reads cancelled, an async load told to stop)
+
+A request that vLLM asks about again (no blocks yet, or preempted and back) goes through `_reach` again from
+PLANNED, DONE or RECOMPUTED. While a request is ARRIVED, PREFETCHING, PLANNED or LOADING its chunks that are in
+DRAM are *held* there (`DramHolds`: one pin per chunk and request, one budget: half the DRAM tier), so that the
+requests ahead of it and their saves do not evict them before it is served; leaving those phases releases them.
+
+What happens when the scheduler reaches a request whose chunks are not all in DRAM (its prefetch is late, was
+evicted, or never ran) is decided in one place: `SchedulerSide.serve_late`.
+
+Saves are orthogonal to the phases: ``build_connector_meta`` saves every whole chunk a step completes (prompt
+and generated tokens), and ``request_finished`` holds the blocks (True) only while a save may still read them.
 """
 
 from __future__ import annotations
@@ -22,39 +38,124 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
 
 from kvprefetch.keys import ChunkKeyer
 from kvprefetch.vllm.costmodel import CostModel, TierMeter
 from kvprefetch.vllm.metadata import KVPrefetchMetadata, KVPrefetchWorkerMeta, LoadJob, SaveJob
-from kvprefetch.vllm.metrics import ConnectorCounters
-from kvprefetch.vllm.settings import ConnectorSettings
+from kvprefetch.vllm.metrics import ConnectorCounters, RankCounters
+from kvprefetch.vllm.settings import ConnectorSettings, LoadMode
+
+if TYPE_CHECKING:
+    from kvprefetch.store import PrefetchHandle, TieredStore
+
+_DRAM = "dram"  # `Tier.DRAM`'s value (a StrEnum: equal to it), without importing the store here
 
 
-def _is_dram(tier: Any) -> bool:
-    return str(getattr(tier, "value", tier)).lower() == "dram"
+class Phase(StrEnum):
+    ARRIVED = "arrived"  # keyed; nothing of it is being read
+    PREFETCHING = "prefetching"  # its hits below DRAM are being read into DRAM while it waits in the queue
+    PLANNED = "planned"  # the scheduler reached it and chose what to load; waiting for its blocks
+    LOADING = "loading"  # the load job went to the workers (sync: this step; async: until they report it)
+    DONE = "done"  # loaded; computes the rest itself
+    RECOMPUTED = "recomputed"  # nothing (more) to load: computes its whole prompt
+    FINISHED = "finished"  # vLLM finished it; forgotten
+
+
+_HOLDING = frozenset({Phase.ARRIVED, Phase.PREFETCHING, Phase.PLANNED, Phase.LOADING})
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What reaching the request decided: load chunks [first, load) (chunks < first are on the engine)."""
+
+    first: int
+    load: int
+    is_async: bool
+    below_dram: int  # chunks of [first, load) below DRAM on some rank
+
+
+@dataclass(frozen=True)
+class _Hit:
+    """A lookup across every rank: chunk i is a hit only if every rank has it."""
+
+    tiers: list[list[Any]]  # tiers[rank][i] for the leading hit chunks (same length on every rank)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.tiers[0])
+
+    def in_dram(self, i: int) -> bool:
+        return all(t[i] == _DRAM for t in self.tiers)
+
+    def below_dram(self, first: int, end: int) -> int:
+        return sum(1 for i in range(first, end) if not self.in_dram(i))
+
+    def on_disk(self) -> list[bool]:
+        return [not self.in_dram(i) for i in range(self.num_chunks)]
 
 
 @dataclass
 class _Req:
     req_id: str
     request: Any
-    keys: list[bytes] = field(default_factory=list)
-    keyed_tokens: int = 0
-    prefetch: Any = None  # PrefetchHandle from arrival (or from reaching the request, prefetch off)
-    prefetch_chunks: int = 0
-    arrival_seq: int = 0
-    arrival_in_dram: int = 0
-    planned: tuple[int, int, bool] | None = None  # (first chunk, chunks to load, async) from the last query
-    pending_load: LoadJob | None = None  # async load handed to the worker, waiting for its chunks/copy
-    settled_sent: bool = False
+    arrival_seq: int
+    phase: Phase = Phase.ARRIVED
+    keys: list[list[bytes]] = field(default_factory=list)  # keys[rank][i]
+    prefetch: PrefetchHandle | None = None  # reads into DRAM (from arrival, or from reaching it, prefetch off)
+    plan: _Plan | None = None  # PLANNED: what to load once blocks are allocated
+    load: LoadJob | None = None  # LOADING, async: the job the workers have
+    load_settled: bool = False  # ... and whether they were told its reads are over
+    holds: set[bytes] = field(default_factory=set)  # chunks pinned in DRAM for it (`DramHolds`)
     skipped_slower: int = 0
-    held: list[bytes] = field(default_factory=list)  # prefetched chunks pinned in DRAM until the load is done
-    released: bool = False
-    pinned: list[bytes] = field(default_factory=list)
     saved_chunks: int = 0  # leading chunks known to be in the store (loaded, present or saved)
     saves_inflight: set[int] = field(default_factory=set)
-    reached: bool = False
+
+    def chunk_keys(self, first: int, end: int) -> list[list[bytes]]:
+        return [k[first:end] for k in self.keys]
+
+    def flat_keys(self, first: int, end: int) -> list[bytes]:
+        """Every rank's keys of chunks [first, end), chunk by chunk (so reads go in the request's order)."""
+        return [k[i] for i in range(first, end) for k in self.keys]
+
+
+class DramHolds:
+    """The one way the scheduler keeps chunks in DRAM for a request until it is served, under one budget.
+
+    A held chunk is pinned once per request (`TieredStore.pin`, released by `unpin`); at most ``budget`` chunks
+    are held at once (half the DRAM tier: holding more would leave no room for the reads and saves themselves).
+    Holds are taken as prefetched chunks land (on an I/O thread) and when a load is planned, only while the
+    request is in a holding phase; `set_phase` leaves those phases and drops the holds atomically with respect
+    to a landing chunk.
+    """
+
+    def __init__(self, store: TieredStore, budget: int):
+        self.store = store
+        self.budget = budget
+        self.held = 0
+        self._lock = threading.Lock()
+
+    def hold(self, st: _Req, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            if st.phase not in _HOLDING:
+                return
+            keys = [k for k in dict.fromkeys(keys) if k not in st.holds][: max(0, self.budget - self.held)]
+            if not keys:
+                return
+            for key, ok in zip(keys, self.store.pin(keys), strict=True):
+                if ok:
+                    st.holds.add(key)
+                    self.held += 1
+
+    def set_phase(self, st: _Req, phase: Phase) -> None:
+        with self._lock:
+            st.phase = phase
+            if phase in _HOLDING or not st.holds:
+                return
+            keys, st.holds = list(st.holds), set()
+            self.held -= len(keys)
+        self.store.unpin(keys)
 
 
 class SchedulerSide:
@@ -62,36 +163,40 @@ class SchedulerSide:
         self,
         settings: ConnectorSettings,
         keyer: ChunkKeyer,
-        store: Any,
+        store: TieredStore,
         block_size: int,
         blocks_per_chunk: int,
         chunk_bytes: int,
-        world_size: int,
         counters: ConnectorCounters,
         get_block_ids: Callable[[str], list[int]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
+        """``keyer``: any rank's keyer (every rank's is derived from it); ``chunk_bytes``: one rank's part of a
+        chunk (what one key holds)."""
         self.s = settings
-        self.keyer = keyer
+        self.keyers = keyer.rank_keyers()
+        self.tp_size = len(self.keyers)
         self.store = store
         self.block_size = block_size
         self.bpc = blocks_per_chunk
         self.C = keyer.chunk_tokens
         self.chunk_bytes = chunk_bytes
-        self.world_size = world_size
         self.counters = counters
+        self.rank_counters = RankCounters(self.tp_size)
         self.get_block_ids = get_block_ids
         self.clock = clock
+        # The rule weighs a whole chunk: every rank's part comes up through the same disk.
         self.cost = CostModel(
-            chunk_bytes,
+            chunk_bytes * self.tp_size,
             self.C,
             disk_bps=settings.disk_bps_prior or float(settings.store.io.read_rate_limit_bps or 1e9),
             prefill_tps=settings.prefill_tps_prior,
             margin=settings.load_margin,
         )
         self.reqs: dict[str, _Req] = {}
-        self._sync_loads: list[LoadJob] = []
-        self._unpin_next: list[_Req] = []
+        self._new_loads: list[LoadJob] = []
+        self._sync_planned: list[_Req] = []  # sync loads planned for the step being scheduled
+        self._sync_running: list[_Req] = []  # sync loads of the last step built (running, or run)
         self._await_saves: list[str] = []
         self._save_owner: dict[int, tuple[str, int]] = {}  # job id -> (req id, workers done)
         self._next_job = 1
@@ -101,170 +206,178 @@ class SchedulerSide:
         self._last_step_reqs = 0  # requests the last step ran (those a synchronous read would stall)
         # Throughput of the reads this process drives (prefetches); the workers report their own demand reads.
         self.disk_meter = TierMeter(self.cost.observe_disk, clock=clock)
-        # Prefetched chunks stay pinned in DRAM until their request is served, so later arrivals and saves do
-        # not evict them first; at most half the DRAM tier is held that way.
-        self._pin_lock = threading.Lock()
-        self._held = 0
-        image = max(chunk_bytes, 1)
-        self._hold_budget = int(settings.store.dram.capacity_bytes) // image // 2
+        self.holds = DramHolds(store, int(settings.store.dram.capacity_bytes) // max(chunk_bytes, 1) // 2)
 
-    # ---- keys -----------------------------------------------------------------------------------------------
-    def _keys(self, st: _Req, num_tokens: int) -> list[bytes]:
+    # ---- keys and lookup ------------------------------------------------------------------------------------
+    def _keys(self, st: _Req, num_tokens: int) -> int:
+        """Key the request's whole chunks in num_tokens (for every rank); return how many there are."""
         n = num_tokens // self.C
-        if len(st.keys) < n:
+        if not st.keys or len(st.keys[0]) < n:
             tokens = list(st.request.all_token_ids[: n * self.C])
-            st.keys = self.keyer.keys(tokens)
-        return st.keys[:n]
+            st.keys = [k.keys(tokens) for k in self.keyers]
+        return n
+
+    def _lookup(self, st: _Req, n: int) -> _Hit:
+        tiers = [self.store.lookup(keys[:n]).tiers for keys in st.keys]
+        end = min(len(t) for t in tiers)
+        return _Hit([t[:end] for t in tiers])
 
     def _state(self, request: Any) -> _Req:
         st = self.reqs.get(request.request_id)
         if st is None:
-            st = self.reqs[request.request_id] = _Req(request.request_id, request)
+            self._seq += 1
+            st = self.reqs[request.request_id] = _Req(request.request_id, request, self._seq)
         return st
 
     # ---- arrival --------------------------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
         st = self._state(request)
-        self._seq += 1
-        st.arrival_seq = self._seq
         if not self.s.prefetch or self.s.load_policy == "never":
             return
-        keys = self._keys(st, len(request.prompt_token_ids or ()))
-        if not keys:
+        n = self._keys(st, len(request.prompt_token_ids or ()))
+        if not n:
             return
-        hit = self.store.lookup(keys)
-        st.arrival_in_dram = sum(1 for t in hit.tiers if _is_dram(t))
+        hit = self._lookup(st, n)
         # What is in DRAM already is held there too, or the requests ahead of it may evict it before it is served.
-        self._hold_keys(st, [k for k, t in zip(keys, hit.tiers, strict=False) if _is_dram(t)])
-        if hit.num_hit_chunks > st.arrival_in_dram:
-            self._start_prefetch(st, keys[: hit.num_hit_chunks], hit.num_hit_chunks - st.arrival_in_dram)
+        m = hit.num_chunks
+        self.holds.hold(st, [st.keys[r][i] for r in range(self.tp_size) for i in range(m) if hit.tiers[r][i] == _DRAM])
+        if hit.below_dram(0, m):
+            for r, tiers in enumerate(hit.tiers):
+                self.rank_counters.inc(r, "prefetched_chunks", sum(1 for t in tiers if t != _DRAM))
+            self._start_reads(st, st.flat_keys(0, m))
+            self.holds.set_phase(st, Phase.PREFETCHING)
 
-    def _start_prefetch(self, st: _Req, keys: list[bytes], disk_chunks: int) -> None:
-        st.prefetch = self.store.prefetch(keys)
-        tickets = getattr(st.prefetch, "tickets", None) or {}
-        st.prefetch_chunks = len(tickets) or disk_chunks
-        self.disk_meter.track([getattr(t, "future", None) for t in tickets.values()], self.chunk_bytes)
-        self.counters.inc("prefetched_chunks", st.prefetch_chunks)
-        for key, ticket in tickets.items():
-            fut = getattr(ticket, "future", None)
-            if fut is not None:
-                fut.add_done_callback(lambda f, key=key, st=st: self._hold(st, key, f))
+    def _start_reads(self, st: _Req, keys: list[bytes]) -> None:
+        """Read keys' chunks below DRAM into DRAM now; each is held for the request as it lands."""
+        handle = st.prefetch = self.store.prefetch(keys)
+        self.counters.inc("prefetched_chunks", handle.num_reads)
+        self.disk_meter.started(handle.num_reads)
 
-    def _hold(self, st: _Req, key: bytes, fut: Any) -> None:
-        """(I/O thread) A prefetched chunk reached DRAM: pin it there until its request has been served."""
-        if fut.cancelled() or fut.exception() is not None or not fut.result():
-            return
-        self._hold_keys(st, [key])
+        def landed(key: bytes, ok: bool) -> None:  # (I/O thread)
+            self.disk_meter.completed(ok, self.chunk_bytes)
+            if ok:
+                self.holds.hold(st, [key])
 
-    def _hold_keys(self, st: _Req, keys: list[bytes]) -> None:
-        with self._pin_lock:
-            if st.released:
-                return
-            keys = keys[: max(0, self._hold_budget - self._held)]
-            if not keys:
-                return
-            for key, ok in zip(keys, self.store.pin(keys), strict=True):
-                if ok:
-                    st.held.append(key)
-                    self._held += 1
+        handle.on_ready(landed)
 
-    def _release_held(self, st: _Req) -> None:
-        with self._pin_lock:
-            st.released = True
-            keys, st.held = st.held, []
-            self._held -= len(keys)
-        if keys:
-            self.store.unpin(keys)
+    def _reads_in_flight(self, st: _Req) -> bool:
+        return st.prefetch is not None and st.prefetch.num_reads > 0
 
     def _queued_disk_bytes(self, st: _Req) -> int:
         """Reads queued in front of this request's: other requests' unfinished reads that arrived earlier
         (prefetch is served in arrival order); with no read of its own in flight, every outstanding read."""
-        if st.prefetch is None or not st.prefetch_chunks or st.prefetch.done():
+        if st.prefetch is None or not st.prefetch.pending():
             return self.disk_meter.outstanding * self.chunk_bytes
-        n = 0
-        for other in self.reqs.values():
-            h = other.prefetch
-            if other is st or h is None or not other.prefetch_chunks or other.arrival_seq > st.arrival_seq:
-                continue
-            tickets = getattr(h, "tickets", None)
-            if tickets:
-                n += sum(1 for t in tickets.values() if not t.done())
-            elif not h.done():
-                n += other.prefetch_chunks
+        n = sum(
+            other.prefetch.pending()
+            for other in self.reqs.values()
+            if other is not st and other.prefetch is not None and other.arrival_seq < st.arrival_seq
+        )
         return n * self.chunk_bytes
 
     # ---- reaching the request -------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)
-        st.planned = None
+        st.plan = None
         if self.s.load_policy == "never":
             return 0, False
-        # At least one token must be computed to produce logits: never hit the whole sequence.
-        keys = self._keys(st, max(request.num_tokens - 1, 0))
-        if not keys:
+        plan = self._reach(st, num_computed_tokens)
+        if plan is None:
+            self.holds.set_phase(st, Phase.RECOMPUTED)
             return 0, False
-        hit = self.store.lookup(keys)
-        n_hit = hit.num_hit_chunks
-        first = num_computed_tokens // self.C  # chunks fully on the engine already
-        on_disk = [not _is_dram(t) for t in hit.tiers]
-        if not st.reached:
-            st.reached = True
-            if st.prefetch is not None and st.prefetch_chunks:
-                if st.prefetch.done():
-                    self.counters.inc("prefetch_in_time")
-                    if any(on_disk):  # DRAM too small for what is queued: the reads were wasted
-                        self.counters.inc("prefetch_evicted")
-                else:
-                    self.counters.inc("prefetch_late")
-        if n_hit * self.C <= num_computed_tokens:
-            self._release_held(st)
-            return 0, False
-        if self.s.load_policy == "always":
-            k = n_hit
-        else:
-            async_s = self.cost.expected_step_s(self._last_step_tokens) if self.s.load_mode != "sync" else None
-            plan = self.cost.plan(on_disk, first, self._queued_disk_bytes(st), async_s)
-            k = plan.load_chunks
-            # (vLLM asks again each step while the request waits for blocks: count each chunk once)
-            if plan.skipped_slower > st.skipped_slower:
-                self.counters.inc("recomputed_slower_chunks", plan.skipped_slower - st.skipped_slower)
-                st.skipped_slower = plan.skipped_slower
-            if k < n_hit and st.prefetch is not None and getattr(st.prefetch, "tickets", None):
-                # Reads of chunks it will recompute are wasted: drop those not started yet.
-                for key in keys[k:n_hit]:
-                    ticket = st.prefetch.tickets.get(key)
-                    if ticket is not None and ticket.cancel():
-                        self.counters.inc("prefetch_cancelled_chunks")
-        if k * self.C <= num_computed_tokens:
-            self._release_held(st)
-            return 0, False
-        disk = sum(on_disk[first:k])
-        is_async = bool(disk) and self._park(st, disk)
-        st.planned = (first, k, is_async, disk)
-        return k * self.C - num_computed_tokens, is_async
+        st.plan = plan
+        self.holds.set_phase(st, Phase.PLANNED)
+        return plan.load * self.C - num_computed_tokens, plan.is_async
 
-    def _park(self, st: _Req, disk_chunks: int) -> bool:
-        """What happens to a request reached with ``disk_chunks`` of its load still below DRAM: parked, waiting
-        asynchronously for its reads (True), or read inside this step (False). ``load_mode`` decides; ``auto``
-        asks the cost model which costs the batch less (the queue ahead of its reads included)."""
-        if self.s.load_mode != "auto":
-            return self.s.load_mode == "async"
-        remaining = disk_chunks * self.chunk_bytes + self._queued_disk_bytes(st)
+    def _reach(self, st: _Req, num_computed_tokens: int) -> _Plan | None:
+        """The scheduler reached the request: what to load (None: nothing, it recomputes)."""
+        # At least one token must be computed to produce logits: never hit the whole sequence.
+        n = self._keys(st, max(st.request.num_tokens - 1, 0))
+        if not n:
+            return None
+        hit = self._lookup(st, n)
+        first = num_computed_tokens // self.C  # chunks fully on the engine already
+        if st.phase in (Phase.ARRIVED, Phase.PREFETCHING):  # reached for the first time
+            self._count_reach(st, hit)
+        if hit.num_chunks * self.C <= num_computed_tokens:
+            return None
+        if hit.below_dram(first, hit.num_chunks):
+            k, is_async = self.serve_late(st, hit, first)
+        else:
+            k, is_async = self._chunks_to_load(st, hit, first, async_s=None), False
+        if k * self.C <= num_computed_tokens:
+            return None
+        return _Plan(first, k, is_async, hit.below_dram(first, k))
+
+    def serve_late(self, st: _Req, hit: _Hit, first: int) -> tuple[int, bool]:
+        """What happens to a request whose hit is not all in DRAM when the scheduler reaches it: its prefetch is
+        still in flight (late), its chunks were evicted again, or nothing read them yet (prefetch off).
+
+        Returns (chunks to have after the load, parked?). The load-or-recompute rule first weighs the reads
+        still to come (every rank's bytes, behind the reads queued ahead of this request's) against
+        recomputing; reads of chunks it will recompute are dropped. Then the request is either *parked*
+        (asynchronous: vLLM's WAITING_FOR_REMOTE_KVS, the other requests run, the workers copy each chunk as it
+        lands; `update_state_after_alloc` starts the reads if none are in flight) or its remaining reads are
+        *finished inside this step* (synchronous: the workers read them, the whole batch waits).
+        ``load_mode`` decides: ``async`` parks, ``sync`` finishes in the step, and ``auto`` asks the cost model
+        which costs the batch less (`CostModel.finish_in_step`, the queue ahead of its reads included).
+        """
+        mode: LoadMode = self.s.load_mode
         step_s = self.cost.expected_step_s(self._last_step_tokens)
+        k = self._chunks_to_load(st, hit, first, async_s=None if mode == "sync" else step_s)
+        below = hit.below_dram(first, k)
+        if not below:
+            return k, False
+        if mode != "auto":
+            return k, mode == "async"
+        remaining = below * self.cost.chunk_bytes + self._queued_disk_bytes(st)  # (cost.chunk_bytes: every rank's)
         if self.cost.finish_in_step(remaining, self._last_step_reqs, step_s):
             self.counters.inc("finished_in_step")
-            return False
-        return True
+            return k, False
+        return k, True
+
+    def _chunks_to_load(self, st: _Req, hit: _Hit, first: int, async_s: float | None) -> int:
+        """The load-or-recompute rule (`CostModel.plan`): the leading chunks worth loading."""
+        n_hit = hit.num_chunks
+        if self.s.load_policy == "always":
+            return n_hit
+        plan = self.cost.plan(hit.on_disk(), first, self._queued_disk_bytes(st), async_s)
+        # (vLLM asks again each step while the request waits for blocks: count each chunk once)
+        if plan.skipped_slower > st.skipped_slower:
+            self.counters.inc("recomputed_slower_chunks", plan.skipped_slower - st.skipped_slower)
+            st.skipped_slower = plan.skipped_slower
+        k = plan.load_chunks
+        if k < n_hit and st.prefetch is not None:  # reads of chunks it will recompute are wasted
+            dropped = st.prefetch.cancel(st.flat_keys(k, n_hit))
+            if dropped:
+                self.counters.inc("prefetch_cancelled_chunks", dropped)
+        return k
+
+    def _count_reach(self, st: _Req, hit: _Hit) -> None:
+        for r, tiers in enumerate(hit.tiers):
+            self.rank_counters.inc(r, "reached_hit_chunks", len(tiers))
+            self.rank_counters.inc(r, "reached_in_dram_chunks", sum(1 for t in tiers if t == _DRAM))
+        if not self._reads_in_flight(st):
+            return
+        assert st.prefetch is not None
+        if st.prefetch.pending():
+            self.counters.inc("prefetch_late")
+            return
+        self.counters.inc("prefetch_in_time")
+        if hit.below_dram(0, hit.num_chunks):  # DRAM too small for what is queued: the reads were wasted
+            self.counters.inc("prefetch_evicted")
 
     def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
         st = self._state(request)
-        planned, st.planned = st.planned, None
-        if num_external_tokens <= 0 or planned is None:
+        plan, st.plan = st.plan, None
+        if plan is None:
             return
-        _, k, is_async, disk = planned
+        if num_external_tokens <= 0:
+            self.holds.set_phase(st, Phase.RECOMPUTED)
+            return
+        k = plan.load
         start_tok = k * self.C - num_external_tokens  # the engine's own (block-aligned) prefix hit ends here
         first = start_tok // self.C
-        keys = st.keys[first:k]
         per_chunk: list[list[int]] = []
         for c in range(first, k):
             ids = []
@@ -272,38 +385,40 @@ class SchedulerSide:
                 b = c * self.bpc + j
                 ids.append(int(block_ids[b]) if b * self.block_size >= start_tok else -1)
             per_chunk.append(ids)
-        job = LoadJob(request.request_id, keys, per_chunk, is_async, on_disk=disk)
-        pinned = self.store.pin(keys)
-        st.pinned = [key for key, ok in zip(keys, pinned, strict=True) if ok]
+        job = LoadJob(request.request_id, st.chunk_keys(first, k), per_chunk, plan.is_async,
+                      on_disk=plan.below_dram)  # fmt: skip
+        self.holds.hold(st, st.flat_keys(first, k))
         st.saved_chunks = max(st.saved_chunks, k)
-        self.counters.inc("loaded_chunks", len(keys))
-        if disk and (st.prefetch is None or not st.prefetch_chunks):
+        self.counters.inc("loaded_chunks", k - first)
+        if plan.below_dram and not self._reads_in_flight(st):
             self.counters.inc("demand_reads", 1)
-            if is_async:  # prefetch off (or nothing in flight): the reads start now that the scheduler is here
-                self._start_prefetch(st, keys, disk)
+            if plan.is_async:  # prefetch off (or nothing in flight): the reads start now that the scheduler is here
+                for r in range(self.tp_size):
+                    self.rank_counters.inc(r, "prefetched_chunks", plan.below_dram)
+                self._start_reads(st, st.flat_keys(first, k))
         # (sync mode: the worker reads what is still below DRAM inside the step, joining reads in flight)
-        if is_async:
-            job.awaits_prefetch = st.prefetch is not None and bool(st.prefetch_chunks)
-            st.pending_load = job
-            st.settled_sent = not job.awaits_prefetch
-        self._sync_loads.append(job)
+        if plan.is_async:
+            job.awaits_prefetch = self._reads_in_flight(st)
+            st.load = job
+            st.load_settled = not job.awaits_prefetch
+        else:
+            self._sync_planned.append(st)
+        self.holds.set_phase(st, Phase.LOADING)
+        self._new_loads.append(job)
 
     # ---- each step ------------------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVPrefetchMetadata:
-        # Last step's synchronous loads have run: their DRAM pins can go.
-        for st in self._unpin_next:
-            self._unpin(st)
-        self._unpin_next = []
-        meta = KVPrefetchMetadata(loads=self._sync_loads)
-        self._sync_loads = []
-        for job in meta.loads:
-            st = self.reqs.get(job.req_id)
-            if st is not None and not job.is_async:
-                self._unpin_next.append(st)
+        # Last step's synchronous loads have run: their holds can go. Those planned since run in this step.
+        for st in self._sync_running:
+            if st.phase is Phase.LOADING:
+                self.holds.set_phase(st, Phase.DONE)
+        self._sync_running, self._sync_planned = self._sync_planned, []
+        meta = KVPrefetchMetadata(loads=self._new_loads)
+        self._new_loads = []
         # Async loads whose reads (here) have all finished: the worker stops waiting for their chunks.
         for st in self.reqs.values():
-            if st.pending_load is not None and not st.settled_sent and (st.prefetch is None or st.prefetch.done()):
-                st.settled_sent = True
+            if st.load is not None and not st.load_settled and (st.prefetch is None or not st.prefetch.pending()):
+                st.load_settled = True
                 meta.settled.append(st.req_id)
         meta.cancel_loads, self._cancel_loads = self._cancel_loads, []
         if self.s.save:
@@ -336,14 +451,13 @@ class SchedulerSide:
             full = min(done_tokens, st.request.num_tokens) // self.C
             if full <= st.saved_chunks:
                 continue
-            keys = self._keys(st, full * self.C)[st.saved_chunks : full]
-            # Chunks already in DRAM are skipped. Chunks only on disk that the engine computed anyway (recomputed
-            # because the disk was too slow, or served by vLLM's own prefix cache) are put again: into DRAM, where
-            # the next hit is cheap; the store does not write them to disk twice.
+            self._keys(st, full * self.C)
+            # Chunks already in DRAM (on every rank) are skipped. Chunks only on disk that the engine computed
+            # anyway (recomputed because the disk was too slow, or served by vLLM's own prefix cache) are put
+            # again: into DRAM, where the next hit is cheap; the store does not write them to disk twice.
+            tiers = [self.store.lookup(k[st.saved_chunks : full]).tiers for k in st.keys]
             present = 0
-            for tier in self.store.lookup(keys).tiers:
-                if not _is_dram(tier):
-                    break
+            while all(present < len(t) and t[present] == _DRAM for t in tiers):
                 present += 1
             first = st.saved_chunks + present
             st.saved_chunks = full
@@ -355,14 +469,14 @@ class SchedulerSide:
             job = SaveJob(
                 self._next_job,
                 rid,
-                keys[present:],
+                st.chunk_keys(first, full),
                 [[int(b) for b in blocks[c * self.bpc : (c + 1) * self.bpc]] for c in range(first, full)],
             )
             self._next_job += 1
             st.saves_inflight.add(job.job_id)
             self._save_owner[job.job_id] = (rid, 0)
             meta.saves.append(job)
-            self.counters.inc("saved_chunks", len(job.keys))
+            self.counters.inc("saved_chunks", full - first)
 
     def update_connector_output(self, output: Any) -> None:
         wm = getattr(output, "kv_connector_worker_meta", None)
@@ -372,7 +486,7 @@ class SchedulerSide:
                 if owner is None:
                     continue
                 rid, done = owner[0], owner[1] + n
-                if done >= self.world_size:
+                if done >= self.tp_size:
                     del self._save_owner[job_id]
                     st = self.reqs.get(rid)
                     if st is not None:
@@ -385,39 +499,42 @@ class SchedulerSide:
                 self.cost.observe_prefill(wm.step_tokens, wm.forward_seconds)
             if wm.disk_bytes and wm.disk_seconds:
                 self.cost.observe_disk(wm.disk_bytes, wm.disk_seconds)
+            self.rank_counters.merge(wm.ranks)
         for rid in getattr(output, "finished_recving", None) or ():
             st = self.reqs.get(rid)
-            if st is not None:
-                st.pending_load = None
-                self._unpin(st)
+            if st is not None and st.phase is Phase.LOADING:
+                st.load = None
+                self.holds.set_phase(st, Phase.DONE)
+
+    def wait_for_reads(self, timeout: float) -> bool:
+        """Wait until every known request's reads into DRAM have finished (tests hold the engine with it, so
+        that whether a prefetch lands before its request is reached is never a race); False on timeout."""
+        deadline = time.monotonic() + timeout
+        for st in list(self.reqs.values()):
+            if st.prefetch is not None and not st.prefetch.wait(max(0.0, deadline - time.monotonic())):
+                return False
+        return True
 
     def cost_snapshot(self) -> dict[str, Any]:
         return self.cost.snapshot() | {"disk_outstanding": self.disk_meter.outstanding}
-
-    def _unpin(self, st: _Req) -> None:
-        self._release_held(st)
-        if st.pinned:
-            self.store.unpin(st.pinned)
-            st.pinned = []
 
     # ---- the end --------------------------------------------------------------------------------------------
     def request_finished(self, request: Any) -> bool:
         st = self.reqs.pop(request.request_id, None)
         if st is None:
             return False
-        self._release_held(st)
-        if st.prefetch is not None and not st.prefetch.done() and hasattr(st.prefetch, "cancel"):
+        loading_async = st.load is not None
+        st.load = None
+        self.holds.set_phase(st, Phase.FINISHED)
+        if st.prefetch is not None and st.prefetch.pending():
             n = st.prefetch.cancel()
             if n:
                 self.counters.inc("prefetch_cancelled_chunks", n)
-        if st.pending_load is not None:
+        if loading_async:
             # The worker has the job; vLLM frees the blocks once the worker reports it finished: tell it to
-            # stop copying (its pins are released with the job).
+            # stop copying.
             self._cancel_loads.append(st.req_id)
-            st.pending_load = None
-            self._unpin(st)
             return False
-        self._unpin(st)
         if st.saves_inflight:
             self._await_saves.append(st.req_id)
             return True

@@ -1,5 +1,9 @@
 """Worker-side half of the connector: copies between the shared DRAM pool and vLLM's paged KV.
 
+Two parts, `Loader` (store -> engine) and `Saver` (engine -> store), report into one `Telemetry` record that
+goes back to the scheduler with each step's output. Each worker is one tensor-parallel rank and copies its own
+part of every chunk, under its rank's keys (``job.keys[rank]``).
+
 * Synchronous loads (the chunks were in DRAM when the scheduler reached the request, or ``load_mode: sync``)
   run on a loader thread that starts with the step: it pins the chunks in the shared pool (``store.view``,
   zero-copy; chunks not in DRAM are read into a staging buffer first, which in sync mode is what the step
@@ -26,13 +30,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvprefetch.vllm.layout import ChunkGeometry, PagedKV, chunk_tensor
 from kvprefetch.vllm.metadata import KVPrefetchMetadata, KVPrefetchWorkerMeta, LoadJob, SaveJob
 from kvprefetch.vllm.metrics import ConnectorCounters
+
+if TYPE_CHECKING:
+    from kvprefetch.store import TieredStore
 
 log = logging.getLogger("kvprefetch.vllm")
 IDLE_WAIT_S = 0.005  # longest an empty engine step waits for an async load to finish
@@ -55,20 +62,75 @@ class _Staging:
         return self.buf[:n]
 
 
+class _Warnings:
+    """Each failure cause is logged once per process."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def once(self, cause: str, msg: str) -> None:
+        if cause not in self._seen:
+            self._seen.add(cause)
+            log.warning("kvprefetch: %s (logged once per cause: %s)", msg, cause)
+
+
+class Telemetry:
+    """What this worker did since its last report, in one record: the rates the scheduler's cost model learns
+    (copy into the engine, reads below DRAM, forward passes), finished saves, and this rank's counts."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._meta = KVPrefetchWorkerMeta()
+
+    def _rank(self, name: str, n: int) -> None:
+        counts = self._meta.ranks.setdefault(self.rank, {})
+        counts[name] = counts.get(name, 0) + n
+
+    def loaded(self, chunks: int, nbytes: int, copy_seconds: float) -> None:
+        with self._lock:
+            self._meta.load_bytes += nbytes
+            self._meta.load_seconds += copy_seconds
+            if chunks:
+                self._rank("loaded_chunks", chunks)
+                self._rank("loaded_bytes", nbytes)
+
+    def read_below_dram(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self._meta.disk_bytes += nbytes
+            self._meta.disk_seconds += seconds
+
+    def forward(self, tokens: int, seconds: float) -> None:
+        with self._lock:
+            self._meta.step_tokens += tokens
+            self._meta.forward_seconds += seconds
+
+    def save_done(self, job_id: int) -> None:
+        with self._lock:
+            self._meta.saves_done[job_id] = 1
+
+    def saved(self, chunks: int, nbytes: int) -> None:
+        with self._lock:
+            self._rank("saved_chunks", chunks)
+            self._rank("saved_bytes", nbytes)
+
+    def drain(self) -> KVPrefetchWorkerMeta | None:
+        with self._lock:
+            meta, self._meta = self._meta, KVPrefetchWorkerMeta()
+        return None if meta.is_empty() else meta
+
+
 class _LayerwiseLoad:
     """One step's synchronous loads: stage every chunk, then scatter layer by layer, signalling each layer."""
 
-    def __init__(self, side: WorkerSide, jobs: list[LoadJob]):
-        self.side = side
+    def __init__(self, loader: Loader, jobs: list[LoadJob]):
+        self.loader = loader
         self.jobs = jobs
-        self.events = [threading.Event() for _ in range(side.geo.num_layers)]
+        self.events = [threading.Event() for _ in range(loader.geo.num_layers)]
         self.error_blocks: set[int] = set()
         self.exc: BaseException | None = None
-        self.nbytes = 0
-        self.seconds = 0.0
+        self.chunks = 0
         self.copy_seconds = 0.0
-        self.disk_bytes = 0
-        self.disk_seconds = 0.0
         self.thread = threading.Thread(target=self._run, name="kvprefetch-load", daemon=True)
 
     def start(self, background: bool) -> None:
@@ -78,35 +140,33 @@ class _LayerwiseLoad:
             self._run()
 
     def _run(self) -> None:
-        t0 = time.perf_counter()
+        loader = self.loader
+        geo = loader.geo
         try:
-            side = self.side
-            geo = side.geo
             with contextlib.ExitStack() as stack:
                 work = []  # (chunk sources, block ids) per job
-                stage = side._load_stage.get(sum(len(j.keys) for j in self.jobs))  # rows touched only if used
+                stage = loader.load_stage.get(sum(j.num_chunks for j in self.jobs))  # rows touched only if used
                 row = 0
                 for job in self.jobs:
-                    srcs = side._sources(job, stack, self, stage[row : row + len(job.keys)])
-                    row += len(job.keys)
-                    self.error_blocks |= side._failed_blocks(job, len(srcs))
+                    srcs = loader.sources(job, stack, stage[row : row + job.num_chunks])
+                    row += job.num_chunks
+                    self.error_blocks |= failed_blocks(job, len(srcs))
                     work.append((srcs, job.block_ids[: len(srcs)]))
                 t_copy = time.perf_counter()
                 for li in range(geo.num_layers):
                     for srcs, ids in work:
                         for src, chunk_ids in zip(srcs, ids, strict=True):
-                            side.kv.scatter_chunk_layer(li, src, chunk_ids, geo)
+                            loader.kv.scatter_chunk_layer(li, src, chunk_ids, geo)
                     self.events[li].set()
                 self.copy_seconds = time.perf_counter() - t_copy
-            self.nbytes = sum(len(srcs) for srcs, _ in work) * geo.chunk_bytes
+            self.chunks = sum(len(srcs) for srcs, _ in work)
         except BaseException as e:  # never leave the forward pass waiting
             self.exc = e
             for job in self.jobs:
-                self.error_blocks |= {b for ids in job.block_ids for b in ids if b >= 0}
+                self.error_blocks |= failed_blocks(job, 0)
         finally:
             for ev in self.events:
                 ev.set()
-            self.seconds = time.perf_counter() - t0
 
     def wait_layer(self, li: int) -> None:
         self.events[li].wait()
@@ -118,90 +178,66 @@ class _LayerwiseLoad:
             self.thread.join()
 
 
-class WorkerSide:
-    def __init__(
-        self,
-        layer_names: Sequence[str],
-        num_blocks: int,
-        block_size: int,
-        chunk_tokens: int,
-        open_store: Callable[[int], Any],
-        counters: ConnectorCounters,
-        layerwise: bool = True,
-    ):
-        self.layer_names = list(layer_names)
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.chunk_tokens = chunk_tokens
-        self.open_store = open_store
-        self.counters = counters
+def failed_blocks(job: LoadJob, n_ok: int) -> set[int]:
+    """The blocks of the job's chunks from n_ok on (vLLM recomputes them)."""
+    return {b for ids in job.block_ids[n_ok:] for b in ids if b >= 0}
+
+
+class _RankPart:
+    """What both parts of a worker work on: this rank's paged KV and view of the store, and where they report."""
+
+    def __init__(self, rank: int, kv: PagedKV, geo: ChunkGeometry, store: TieredStore, counters: ConnectorCounters,
+                 telemetry: Telemetry, warn: Callable[[str, str], None]):  # fmt: skip
+        self.rank, self.kv, self.geo, self.store = rank, kv, geo, store
+        self.counters, self.telemetry, self.warn = counters, telemetry, warn
+
+    def shares(self) -> tuple:
+        """The constructor's arguments: what another part of the same worker shares with this one."""
+        return self.rank, self.kv, self.geo, self.store, self.counters, self.telemetry, self.warn
+
+
+class Loader(_RankPart):
+    """Store -> engine: this step's synchronous, layer-wise loads and the asynchronous loads between steps."""
+
+    def __init__(self, part: _RankPart, layerwise: bool, pin: bool):
+        super().__init__(*part.shares())
         self.layerwise = layerwise
-        self.kv: PagedKV | None = None
-        self.geo: ChunkGeometry | None = None
-        self.store: Any = None
-        self.layer_index: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self.load_stage = _Staging(self.geo.chunk_bytes, pin)
+        self._aload_stage = _Staging(self.geo.chunk_bytes, pin)
         self._sync: _LayerwiseLoad | None = None
-        self._async_pool = ThreadPoolExecutor(1, thread_name_prefix="kvprefetch-aload")
-        self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="kvprefetch-save")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvprefetch-aload")
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._inflight = 0
         self._done_recv: list[tuple[str, set[int]]] = []
         self._errors: set[int] = set()
-        self._saves_by_req: dict[str, set[int]] = {}
-        self._save_futs: dict[int, Future] = {}
-        self._saves_done: dict[int, int] = {}
-        self._await: set[str] = set()
-        self._load_bytes = 0
-        self._load_seconds = 0.0
-        self._step_tokens = 0
-        self._forward_s = 0.0
-        self._disk_bytes = 0
-        self._disk_s = 0.0
-        self._t_bind = 0.0
-        self._cv = threading.Condition(self._lock)
-        self._async_inflight = 0
         self._settled: set[str] = set()
         self._cancelled: set[str] = set()
         self._active: set[str] = set()  # requests with an async load on this worker
-        self._async_started: KVPrefetchMetadata | None = None
-        self._warned: set[str] = set()
+        self._started: KVPrefetchMetadata | None = None
 
-    # ---- setup ----------------------------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        names = [n for n in self.layer_names if n in kv_caches] or list(kv_caches)
-        self.layer_index = {n: i for i, n in enumerate(names)}
-        self.kv = PagedKV([kv_caches[n] for n in names], self.num_blocks, self.block_size)
-        self.geo = self.kv.geometry(self.chunk_tokens)
-        pin = self.kv.device.type == "cuda"
-        self._load_stage = _Staging(self.geo.chunk_bytes, pin)
-        self._aload_stage = _Staging(self.geo.chunk_bytes, pin)
-        self._save_stage = _Staging(self.geo.chunk_bytes, pin)
-        self.store = self.open_store(self.geo.chunk_bytes)
-
-    # ---- copies ---------------------------------------------------------------------------------------------
-    def _sources(
-        self, job: LoadJob, stack: contextlib.ExitStack, load: _LayerwiseLoad, stage: torch.Tensor
-    ) -> list[torch.Tensor]:
+    # ---- reading chunks -------------------------------------------------------------------------------------
+    def sources(self, job: LoadJob, stack: contextlib.ExitStack, stage: torch.Tensor) -> list[torch.Tensor]:
         """Flat uint8 sources for the job's leading loadable chunks: zero-copy pinned views of the DRAM pool
         where the chunks are there (held until ``stack`` exits), the staging buffer for the rest."""
-        n = len(job.keys)
+        keys = job.keys[self.rank]
+        n = len(keys)
         views: list = []
         try:
-            views = stack.enter_context(self.store.view(job.keys))
+            views = stack.enter_context(self.store.view(keys))
         except Exception as e:  # the store (or its process) is gone: a miss, never a failed request
-            self._warn_once(type(e).__name__, f"store read failed ({e}); recomputing")
+            self.warn(type(e).__name__, f"store read failed ({e}); recomputing")
             self.counters.inc("load_error_chunks", n)
             return []
         srcs = [chunk_tensor(v) for v in views]
         if len(srcs) < n:  # below DRAM (sync mode) or evicted since planning: read them now, inside the step
-            rest = job.keys[len(srcs) :]
             t0 = time.perf_counter()
-            got = self._get_into(rest, stage)
+            got = self._get_into(keys[len(srcs) :], stage)
             if got and job.on_disk:
-                load.disk_bytes += got * self.geo.chunk_bytes
-                load.disk_seconds += time.perf_counter() - t0
+                self.telemetry.read_below_dram(got * self.geo.chunk_bytes, time.perf_counter() - t0)
             srcs += [stage[i] for i in range(got)]
         if len(srcs) < n:
-            self._warn_once("short", "chunks missing or corrupt at load time; recomputing them")
+            self.warn("short", "chunks missing or corrupt at load time; recomputing them")
             self.counters.inc("load_error_chunks", n - len(srcs))
         self.counters.inc("worker_loaded_chunks", len(srcs))
         return srcs
@@ -210,232 +246,323 @@ class WorkerSide:
         try:
             return int(self.store.get_into(keys, [stage[i].numpy() for i in range(len(keys))]))
         except Exception as e:
-            self._warn_once(type(e).__name__, f"store read failed ({e}); recomputing")
+            self.warn(type(e).__name__, f"store read failed ({e}); recomputing")
             return 0
 
-    @staticmethod
-    def _failed_blocks(job: LoadJob, n_ok: int) -> set[int]:
-        return {b for ids in job.block_ids[n_ok:] for b in ids if b >= 0}
-
-    def _warn_once(self, cause: str, msg: str) -> None:
-        if cause not in self._warned:
-            self._warned.add(cause)
-            log.warning("kvprefetch: %s (logged once per cause: %s)", msg, cause)
+    def _scatter_all(self, src: torch.Tensor, block_ids: Sequence[int]) -> None:
+        for li in range(self.geo.num_layers):
+            self.kv.scatter_chunk_layer(li, src, block_ids, self.geo)
 
     # ---- per step -------------------------------------------------------------------------------------------
-    def on_bind(self, meta: KVPrefetchMetadata) -> None:
-        """Before the forward: start this step's async loads now, so they overlap the forward and can be
-        reported finished at the end of this very step (vLLM itself would start them after the forward)."""
-        self._t_bind = time.perf_counter()
-        if meta.loads or meta.settled or meta.cancel_loads:
-            self.handle_preemptions(meta)  # an async load may write blocks a preempted request's save still reads
-            self._start_async(meta)
-
-    def handle_preemptions(self, meta: KVPrefetchMetadata) -> None:
-        for rid in meta.preempted:
-            self._wait_saves(rid)
-
-    def _wait_saves(self, rid: str) -> None:
-        with self._lock:
-            futs = [self._save_futs[j] for j in self._saves_by_req.get(rid, ()) if j in self._save_futs]
-        for f in futs:
-            f.result()
-
-    def start_load_kv(self, meta: KVPrefetchMetadata) -> None:
-        self.handle_preemptions(meta)
-        self._start_async(meta)  # no-op when on_bind started them
-        sync = [j for j in meta.loads if not j.is_async and not j.cancelled]
-        if sync and self.kv is not None:
-            self.counters.inc("sync_loads", len(sync))
-            self._sync = _LayerwiseLoad(self, sync)
-            self._sync.start(background=self.layerwise)
-
-    def _start_async(self, meta: KVPrefetchMetadata) -> None:
-        if self._async_started is meta:
+    def start_async(self, meta: KVPrefetchMetadata) -> None:
+        """Start this step's async loads (once per step) and pass on which have settled or were cancelled."""
+        if self._started is meta:
             return
-        self._async_started = meta
+        self._started = meta
         for job in meta.loads:
             if job.is_async or job.cancelled:
                 with self._lock:
-                    self._async_inflight += 1
+                    self._inflight += 1
                     self._active.add(job.req_id)
-                self._async_pool.submit(self._async_load, job)
+                self._pool.submit(self._async_load, job)
         if meta.settled or meta.cancel_loads:
             with self._cv:
                 self._settled.update(r for r in meta.settled if r in self._active)
                 self._cancelled.update(r for r in meta.cancel_loads if r in self._active)
                 self._cv.notify_all()
 
-    def _async_load(self, job: LoadJob) -> None:
-        """Copy each chunk into the engine as soon as it is in DRAM, in order; report the job finished."""
-        errors: set[int] = set()
-        n_ok = 0
-        copy_s = 0.0
-        rid = job.req_id
-        try:
-            if not job.cancelled and self.kv is not None:
-                self.counters.inc("async_loads")
-                waiting = job.awaits_prefetch
-                for i, key in enumerate(job.keys):
-                    src_ok = False
-                    while True:
-                        with self._lock:
-                            if rid in self._cancelled:
-                                break
-                            settled = rid in self._settled
-                        with self.store.view([key]) as views:
-                            if views:
-                                t0 = time.perf_counter()
-                                self._scatter_all(chunk_tensor(views[0]), job.block_ids[i])
-                                copy_s += time.perf_counter() - t0
-                                src_ok = True
-                                break
-                        if waiting and not settled:
-                            with self._cv:  # the scheduler's process is reading it: look again soon
-                                self._cv.wait(POLL_S)
-                            continue
-                        stage = self._aload_stage.get(1)  # not coming (or evicted): read it here
-                        if self._get_into([key], stage):
-                            t0 = time.perf_counter()
-                            self._scatter_all(stage[0], job.block_ids[i])
-                            copy_s += time.perf_counter() - t0
-                            src_ok = True
-                        break
-                    if not src_ok:
-                        break
-                    n_ok += 1
-                cancelled = rid in self._cancelled
-                if n_ok < len(job.keys) and not cancelled:
-                    self._warn_once("short", "chunks missing or corrupt at load time; recomputing them")
-                    self.counters.inc("load_error_chunks", len(job.keys) - n_ok)
-                self.counters.inc("worker_loaded_chunks", n_ok)
-                errors = set() if cancelled else self._failed_blocks(job, n_ok)  # (finished: nothing to recompute)
-                with self._lock:
-                    self._load_bytes += n_ok * self.geo.chunk_bytes
-                    self._load_seconds += copy_s
-        except BaseException as e:
-            self._warn_once(type(e).__name__, f"async load failed ({e}); recomputing")
-            errors = {b for ids in job.block_ids for b in ids if b >= 0}
-        with self._cv:
-            self._done_recv.append((rid, errors))
-            self._settled.discard(rid)
-            self._cancelled.discard(rid)
-            self._active.discard(rid)
-            self._async_inflight -= 1
-            self._cv.notify_all()
+    def start_sync(self, meta: KVPrefetchMetadata) -> bool:
+        """Start this step's synchronous loads (layer by layer, alongside the forward pass); True if any."""
+        sync = [j for j in meta.loads if not j.is_async and not j.cancelled]
+        if sync:
+            self.counters.inc("sync_loads", len(sync))
+            self._sync = _LayerwiseLoad(self, sync)
+            self._sync.start(background=self.layerwise)
+        return bool(sync)
 
-    def _scatter_all(self, src: torch.Tensor, block_ids: Sequence[int]) -> None:
-        assert self.kv is not None and self.geo is not None
-        for li in range(self.geo.num_layers):
-            self.kv.scatter_chunk_layer(li, src, block_ids, self.geo)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
+    def wait_layer(self, li: int | None) -> None:
         sync = self._sync
         if sync is not None:
             self.counters.inc("layer_load_waits")
-            li = self.layer_index.get(layer_name)
             if li is None:
                 sync.join()
             else:
                 sync.wait_layer(li)
 
-    def wait_for_save(self, meta: KVPrefetchMetadata) -> None:
+    def finish_sync(self) -> bool:
+        """After the forward: collect the step's synchronous load (True if there was one)."""
         sync, self._sync = self._sync, None
-        had_sync = sync is not None
-        if sync is not None:
-            sync.join()
-            if sync.exc is not None:
-                self._warn_once(type(sync.exc).__name__, f"load into the engine failed ({sync.exc}); recomputing")
-            with self._lock:
-                self._errors |= sync.error_blocks
-                self._load_bytes += sync.nbytes
-                self._load_seconds += sync.copy_seconds
-                self._disk_bytes += sync.disk_bytes
-                self._disk_s += sync.disk_seconds
-        if not had_sync and meta.step_tokens:
-            with self._lock:
-                self._step_tokens += meta.step_tokens
-                self._forward_s += time.perf_counter() - self._t_bind
-        elif not meta.step_tokens and not had_sync and not meta.saves:
-            # An empty step (nothing to compute): rather than let the engine spin, wait briefly for an async
-            # load to finish, so the reads get the CPU and the waiting request is reported at once.
-            with self._cv:
-                if self._async_inflight and not self._done_recv:
-                    self._cv.wait(IDLE_WAIT_S)
-        for job in meta.saves:
-            with self._lock:
-                self._saves_by_req.setdefault(job.req_id, set()).add(job.job_id)
-                self._save_futs[job.job_id] = self._save_pool.submit(self._save, job)
-        self._await.update(meta.await_saves)
-
-    def _save(self, job: SaveJob) -> None:
-        try:
-            if self.kv is None:
-                return
-            stage = self._save_stage.get(len(job.keys))
-            self.kv.gather_into(job.block_ids, stage, self.geo)
-            if stage.device.type != "cpu":
-                stage = stage.cpu()
-            self._mark_saved(job)  # the blocks are no longer needed once their pages are copied out
-            fut = self.store.put(job.keys, [stage[i].numpy() for i in range(len(job.keys))])
-            fut.add_done_callback(self._log_writeback)
-            self.counters.inc("worker_saved_chunks", len(job.keys))
-        except BaseException as e:
-            self.counters.inc("save_errors")
-            self._warn_once("save:" + type(e).__name__, f"save failed ({e}); those chunks stay uncached")
-        finally:
-            self._mark_saved(job)
-
-    def _log_writeback(self, fut: Future) -> None:
-        if not fut.cancelled() and fut.exception() is not None:
-            e = fut.exception()
-            self._warn_once("writeback:" + type(e).__name__, f"disk write-back failed ({e}); DRAM still serves")
-
-    def _mark_saved(self, job: SaveJob) -> None:
+        if sync is None:
+            return False
+        sync.join()
+        if sync.exc is not None:
+            self.warn(type(sync.exc).__name__, f"load into the engine failed ({sync.exc}); recomputing")
         with self._lock:
-            if job.job_id in self._save_futs:
-                del self._save_futs[job.job_id]
-                self._saves_done[job.job_id] = 1
-                ids = self._saves_by_req.get(job.req_id)
-                if ids is not None:
-                    ids.discard(job.job_id)
-                    if not ids:
-                        del self._saves_by_req[job.req_id]
+            self._errors |= sync.error_blocks
+        self.telemetry.loaded(sync.chunks, sync.chunks * self.geo.chunk_bytes, sync.copy_seconds)
+        return True
+
+    def idle_wait(self) -> None:
+        """An empty step (nothing to compute): rather than let the engine spin, wait briefly for an async load
+        to finish, so the reads get the CPU and the waiting request is reported at once."""
+        with self._cv:
+            if self._inflight and not self._done_recv:
+                self._cv.wait(IDLE_WAIT_S)
+
+    def _async_load(self, job: LoadJob) -> None:
+        """Copy each chunk into the engine as soon as it is in DRAM, in order; report the job finished."""
+        errors: set[int] = set()
+        rid = job.req_id
+        try:
+            if not job.cancelled:
+                self.counters.inc("async_loads")
+                n_ok, copy_s = self._copy_as_they_land(job)
+                cancelled = rid in self._cancelled
+                if n_ok < job.num_chunks and not cancelled:
+                    self.warn("short", "chunks missing or corrupt at load time; recomputing them")
+                    self.counters.inc("load_error_chunks", job.num_chunks - n_ok)
+                self.counters.inc("worker_loaded_chunks", n_ok)
+                errors = set() if cancelled else failed_blocks(job, n_ok)  # (finished: nothing to recompute)
+                self.telemetry.loaded(n_ok, n_ok * self.geo.chunk_bytes, copy_s)
+        except BaseException as e:
+            self.warn(type(e).__name__, f"async load failed ({e}); recomputing")
+            errors = failed_blocks(job, 0)
+        with self._cv:
+            self._done_recv.append((rid, errors))
+            self._settled.discard(rid)
+            self._cancelled.discard(rid)
+            self._active.discard(rid)
+            self._inflight -= 1
+            self._cv.notify_all()
+
+    def _copy_as_they_land(self, job: LoadJob) -> tuple[int, float]:
+        """(chunks copied, copy seconds): in order, each once it is in DRAM; while the scheduler's process is
+        still reading them (until it reports them settled) look again every POLL_S, after that read here."""
+        rid = job.req_id
+        copy_s = 0.0
+        for i, key in enumerate(job.keys[self.rank]):
+            while True:
+                with self._lock:
+                    if rid in self._cancelled:
+                        return i, copy_s
+                    settled = rid in self._settled
+                with self.store.view([key]) as views:
+                    if views:
+                        t0 = time.perf_counter()
+                        self._scatter_all(chunk_tensor(views[0]), job.block_ids[i])
+                        copy_s += time.perf_counter() - t0
+                        break
+                if job.awaits_prefetch and not settled:
+                    with self._cv:  # the scheduler's process is reading it: look again soon
+                        self._cv.wait(POLL_S)
+                    continue
+                stage = self._aload_stage.get(1)  # not coming (or evicted): read it here
+                if not self._get_into([key], stage):
+                    return i, copy_s
+                t0 = time.perf_counter()
+                self._scatter_all(stage[0], job.block_ids[i])
+                copy_s += time.perf_counter() - t0
+                break
+        return job.num_chunks, copy_s
 
     # ---- reporting ------------------------------------------------------------------------------------------
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def finished_recving(self) -> set[str]:
         with self._lock:
             recv = {rid for rid, _ in self._done_recv}
             for _, errs in self._done_recv:
                 self._errors |= errs
             self._done_recv = []
-            sending = {rid for rid in self._await if rid not in self._saves_by_req}
+        return recv
+
+    def take_errors(self) -> set[int]:
+        with self._lock:
+            errs, self._errors = self._errors, set()
+        return errs
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class Saver(_RankPart):
+    """Engine -> store: after the forward, copy each whole chunk's pages out of its blocks (the only moment the
+    blocks are needed), then `store.put` (DRAM now, disk write-back asynchronously)."""
+
+    def __init__(self, part: _RankPart, pin: bool):
+        super().__init__(*part.shares())
+        self._stage = _Staging(self.geo.chunk_bytes, pin)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvprefetch-save")
+        self._lock = threading.Lock()
+        self._by_req: dict[str, set[int]] = {}
+        self._futs: dict[int, Future] = {}
+        self._await: set[str] = set()
+
+    def submit(self, meta: KVPrefetchMetadata) -> None:
+        for job in meta.saves:
+            with self._lock:
+                self._by_req.setdefault(job.req_id, set()).add(job.job_id)
+                self._futs[job.job_id] = self._pool.submit(self._save, job)
+        self._await.update(meta.await_saves)
+
+    def wait_for(self, rid: str) -> None:
+        """Until the request's saves have copied its blocks out (it was preempted: they may be reused)."""
+        with self._lock:
+            futs = [self._futs[j] for j in self._by_req.get(rid, ()) if j in self._futs]
+        for f in futs:
+            f.result()
+
+    def _save(self, job: SaveJob) -> None:
+        keys = job.keys[self.rank]
+        try:
+            stage = self._stage.get(len(keys))
+            self.kv.gather_into(job.block_ids, stage, self.geo)
+            if stage.device.type != "cpu":
+                stage = stage.cpu()
+            self._blocks_free(job)  # the blocks are no longer needed once their pages are copied out
+            fut = self.store.put(keys, [stage[i].numpy() for i in range(len(keys))])
+            fut.add_done_callback(self._log_writeback)
+            self.counters.inc("worker_saved_chunks", len(keys))
+            self.telemetry.saved(len(keys), len(keys) * self.geo.chunk_bytes)
+        except BaseException as e:
+            self.counters.inc("save_errors")
+            self.warn("save:" + type(e).__name__, f"save failed ({e}); those chunks stay uncached")
+        finally:
+            self._blocks_free(job)
+
+    def _log_writeback(self, fut: Future) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            e = fut.exception()
+            self.warn("writeback:" + type(e).__name__, f"disk write-back failed ({e}); DRAM still serves")
+
+    def _blocks_free(self, job: SaveJob) -> None:
+        with self._lock:
+            if job.job_id not in self._futs:
+                return
+            del self._futs[job.job_id]
+            ids = self._by_req.get(job.req_id)
+            if ids is not None:
+                ids.discard(job.job_id)
+                if not ids:
+                    del self._by_req[job.req_id]
+        self.telemetry.save_done(job.job_id)
+
+    def finished_sending(self) -> set[str]:
+        """Finished requests whose blocks the scheduler held for their saves, and that are done with them."""
+        with self._lock:
+            sending = {rid for rid in self._await if rid not in self._by_req}
             self._await -= sending
+        return sending
+
+    def drain(self, timeout: float) -> None:
+        """Until every save submitted so far has handed its chunks to the store."""
+        self._pool.submit(lambda: None).result(timeout)  # (one thread, first in first out)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class WorkerSide:
+    """One tensor-parallel rank's worker: a `Loader` and a `Saver` over this rank's view of the store."""
+
+    def __init__(
+        self,
+        rank: int,
+        layer_names: Sequence[str],
+        num_blocks: int,
+        block_size: int,
+        chunk_tokens: int,
+        open_store: Callable[[int], TieredStore],
+        counters: ConnectorCounters,
+        layerwise: bool = True,
+    ):
+        self.rank = rank
+        self.layer_names = list(layer_names)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.chunk_tokens = chunk_tokens
+        self.open_store = open_store
+        self.counters = counters
+        self.layerwise = layerwise
+        self.telemetry = Telemetry(rank)
+        self.store: TieredStore | None = None
+        self.loader: Loader | None = None
+        self.saver: Saver | None = None
+        self.layer_index: dict[str, int] = {}
+        self._t_bind = 0.0
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = [n for n in self.layer_names if n in kv_caches] or list(kv_caches)
+        self.layer_index = {n: i for i, n in enumerate(names)}
+        kv = PagedKV([kv_caches[n] for n in names], self.num_blocks, self.block_size)
+        geo = kv.geometry(self.chunk_tokens)
+        pin = kv.device.type == "cuda"
+        self.store = self.open_store(geo.chunk_bytes)
+        part = _RankPart(self.rank, kv, geo, self.store, self.counters, self.telemetry, _Warnings().once)
+        self.loader = Loader(part, self.layerwise, pin)
+        self.saver = Saver(part, pin)
+
+    # ---- per step -------------------------------------------------------------------------------------------
+    def on_bind(self, meta: KVPrefetchMetadata) -> None:
+        """Before the forward: start this step's async loads now, so they overlap the forward and can be
+        reported finished at the end of this very step (vLLM itself would start them after the forward)."""
+        self._t_bind = time.perf_counter()
+        if self.loader is not None and (meta.loads or meta.settled or meta.cancel_loads):
+            self.handle_preemptions(meta)  # an async load may write blocks a preempted request's save still reads
+            self.loader.start_async(meta)
+
+    def handle_preemptions(self, meta: KVPrefetchMetadata) -> None:
+        if self.saver is not None:
+            for rid in meta.preempted:
+                self.saver.wait_for(rid)
+
+    def start_load_kv(self, meta: KVPrefetchMetadata) -> None:
+        if self.loader is None:
+            return
+        self.handle_preemptions(meta)
+        self.loader.start_async(meta)  # no-op when on_bind started them
+        self.loader.start_sync(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.loader is not None:
+            self.loader.wait_layer(self.layer_index.get(layer_name))
+
+    def wait_for_save(self, meta: KVPrefetchMetadata) -> None:
+        if self.loader is None or self.saver is None:
+            return
+        had_sync = self.loader.finish_sync()
+        if not had_sync and meta.step_tokens:
+            self.telemetry.forward(meta.step_tokens, time.perf_counter() - self._t_bind)
+        elif not meta.step_tokens and not had_sync and not meta.saves:
+            self.loader.idle_wait()
+        self.saver.submit(meta)
+
+    # ---- reporting ------------------------------------------------------------------------------------------
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.loader is None or self.saver is None:
+            return None, None
+        recv = self.loader.finished_recving()
+        sending = self.saver.finished_sending()
         return (sending or None), (recv or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        with self._lock:
-            errs, self._errors = self._errors, set()
+        errs = self.loader.take_errors() if self.loader is not None else set()
         if errs:
             self.counters.inc("load_error_blocks", len(errs))
         return errs
 
     def build_worker_meta(self) -> KVPrefetchWorkerMeta | None:
-        with self._lock:
-            m = KVPrefetchWorkerMeta(
-                self._saves_done, self._load_bytes, self._load_seconds, self._step_tokens, self._forward_s,
-                self._disk_bytes, self._disk_s,
-            )
-            self._saves_done = {}
-            self._load_bytes, self._load_seconds, self._step_tokens, self._forward_s = 0, 0.0, 0, 0.0
-            self._disk_bytes, self._disk_s = 0, 0.0
-        if not (m.saves_done or m.load_bytes or m.step_tokens or m.disk_bytes):
-            return None
-        return m
+        return self.telemetry.drain()
+
+    def flush(self, timeout: float) -> bool:
+        """Until every save submitted so far is in the store and written back."""
+        if self.saver is not None:
+            self.saver.drain(timeout)
+        return self.store is None or self.store.flush(timeout)
 
     def shutdown(self) -> None:
-        self._async_pool.shutdown(wait=True)
-        self._save_pool.shutdown(wait=True)
+        if self.loader is not None:
+            self.loader.shutdown()
+        if self.saver is not None:
+            self.saver.shutdown()
         if self.store is not None:
             with contextlib.suppress(Exception):
                 self.store.flush(timeout=30)
