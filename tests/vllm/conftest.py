@@ -13,6 +13,8 @@ from vllm_harness import Engine, connector_config
 CHUNK = 256  # tokens; the CPU backend's block size is 128, so a chunk is two blocks
 CHUNK_MIB = 1  # 4 layers x 2 KV heads x 64 dims x (K, V) x float32 x 256 tokens = 1 MiB
 DRAM_CHUNKS = 16
+TP2_CHUNK_BYTES = 512 << 10  # with TP=2 each rank holds one KV head: half a chunk per rank
+TP2_DRAM_SLOTS = 32  # rank-chunks (one rank's part of one chunk per slot)
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -48,12 +50,12 @@ def pools():
             f.unlink(missing_ok=True)
 
 
-def extra_config(disk_dir: Path, pools: list[str], **kw) -> dict:
+def extra_config(disk_dir: Path, pools: list[str], dram: dict | None = None, **kw) -> dict:
     pool = "kvpt-" + uuid.uuid4().hex[:10]
     pools.append(pool)
     cfg = {
         "chunk_tokens": CHUNK,
-        "dram": {"capacity_bytes": int(DRAM_CHUNKS * (CHUNK_MIB << 20) * 1.02), "pool_name": pool},
+        "dram": {"capacity_bytes": int(DRAM_CHUNKS * (CHUNK_MIB << 20) * 1.02), "pool_name": pool} | (dram or {}),
         "disk": {"path": str(disk_dir), "capacity_bytes": 1 << 30},
         "io": {"read_rate_limit_bps": 200_000_000},
         "log_interval_s": 0,
@@ -82,6 +84,18 @@ class Engines:
         if name == "restarted_prefetch_off":
             extra = extra_config(self.disk_dir, self.pools, prefetch=False)
             return base | {"kv_transfer_config": connector_config(extra)}
+        if name.startswith("tp2"):
+            # Tensor parallelism 2 (one core per rank); the same disk tier as the TP=1 engines above.
+            tp2 = base | {"engine_args": {"tensor_parallel_size": 2}}
+            if name == "tp2_reference":
+                return tp2
+            dram = {"capacity_bytes": int(TP2_DRAM_SLOTS * (TP2_CHUNK_BYTES + 4096) * 1.01)}
+            if name == "tp2":
+                extra = extra_config(self.disk_dir, self.pools, dram=dram)
+                return tp2 | {"kv_transfer_config": connector_config(extra)}
+            if name == "tp2_restarted_prefetch_off":
+                extra = extra_config(self.disk_dir, self.pools, dram=dram, prefetch=False)
+                return tp2 | {"kv_transfer_config": connector_config(extra)}
         if name == "sync_slow_disk":
             # ondemand-sync (prefetch off, the step waits for loads) over a disk throttled to 4 MB/s (a 1 MiB chunk
             # takes 250 ms to read; the tiny model recomputes it in ~50 ms). The connector starts out believing

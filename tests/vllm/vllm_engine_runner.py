@@ -37,6 +37,13 @@ def make_model(path: str, layers: int = 4, hidden: int = 256, heads: int = 4, kv
     LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path, safe_serialization=True)
 
 
+def _flush_connectors(_worker=None) -> bool:
+    """Wait for every write-back of this process's connectors (also run on each worker via collective_rpc)."""
+    from kvprefetch.vllm.connector import live_connectors
+
+    return all(c.flush(timeout=60) for c in live_connectors())
+
+
 def _reply(obj) -> None:
     sys.stdout.write(MARK + json.dumps(obj) + "\n")
     sys.stdout.flush()
@@ -45,6 +52,9 @@ def _reply(obj) -> None:
 def main() -> None:
     spec = json.loads(sys.argv[1])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from kvprefetch.vllm.cpu import tp_cpu_env
+
+    os.environ.update(tp_cpu_env(int((spec.get("engine_args") or {}).get("tensor_parallel_size", 1))))
     from vllm import LLM, SamplingParams
 
     kwargs = dict(
@@ -67,6 +77,7 @@ def main() -> None:
         register()  # what the vllm.general_plugins entry point does (explicit: the test venv may predate it)
         kwargs["load_format"] = spec["load_format"]
         kwargs["model_loader_extra_config"] = spec.get("model_loader_extra_config", {})
+    kwargs.update(spec.get("engine_args") or {})  # e.g. tensor_parallel_size
     llm = LLM(**kwargs)
     _reply({"ready": True})
     for line in sys.stdin:
@@ -81,7 +92,19 @@ def main() -> None:
                     for m in cmd["max_tokens_each"]
                 ]
             t0 = time.perf_counter()
-            outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sps, use_tqdm=False)
+            prompts = [{"prompt_token_ids": p} for p in cmd["prompts"]]
+            if cmd.get("hold_until_prefetched"):
+                # Every request arrives (its prefetch starts) before the engine takes a step, and the engine
+                # waits until every read into DRAM has finished: whether a queued request's chunks are in DRAM
+                # when the scheduler reaches it is then certain, not a race.
+                from kvprefetch.vllm.connector import live_connectors
+
+                llm.enqueue(prompts, sps, use_tqdm=False)
+                landed = all(c.wait_for_prefetches(timeout=120) for c in live_connectors())
+                outs = llm.wait_for_completion(use_tqdm=False)
+            else:
+                landed = None
+                outs = llm.generate(prompts, sps, use_tqdm=False)
             wall = time.perf_counter() - t0
             res = []
             for o in outs:
@@ -90,21 +113,21 @@ def main() -> None:
                 m = getattr(o, "metrics", None)
                 ttft = getattr(m, "first_token_latency", None) if m is not None else None
                 res.append({"token_ids": list(c.token_ids), "logprobs": lps, "ttft": ttft})
-            _reply({"outputs": res, "wall_s": wall})
+            _reply({"outputs": res, "wall_s": wall, "prefetches_landed": landed})
         elif op == "counters":
             from kvprefetch.vllm.connector import live_connectors
             from kvprefetch.vllm.metrics import snapshot_all
 
-            stores, cost = {}, None
+            stores, cost, ranks = {}, None, None
             for c in live_connectors():
                 if c.store is not None:
                     stores[c.counters.role] = c.store.stats().get("store")
                 cost = c.cost_snapshot() or cost
-            _reply({"counters": snapshot_all(), "stores": stores, "cost": cost})
+                ranks = c.rank_stats() or ranks
+            _reply({"counters": snapshot_all(), "stores": stores, "cost": cost, "ranks": ranks})
         elif op == "flush":
-            from kvprefetch.vllm.connector import live_connectors
-
-            ok = all(c.store.flush(timeout=60) for c in live_connectors() if c.store is not None)
+            # Every write-back finished: this process's connectors' and, with TP > 1, the worker processes'.
+            ok = _flush_connectors() and all(llm.collective_rpc(_flush_connectors))
             _reply({"flushed": ok})
         elif op == "exit":
             _reply({"bye": True})
