@@ -221,3 +221,31 @@ def test_a_regime_sweep_is_reported_per_regime_with_where_prefetch_pays(tmp_path
     assert "### regime 3.0" in md and "## Regime sweep" in md and "| 3.0 | 3.1 | 16 | 0.83x | faster |" in md
     files = write_outputs(res, tmp_path)
     assert "regime_sweep.png" in files and (tmp_path / "regime_sweep.png").stat().st_size > 0
+
+
+def test_report_shows_per_rank_bytes_only_for_tensor_parallel_runs():
+    from kvprefetch.bench.stats import cell_metrics
+
+    after = {"ranks": {str(r): {"loaded_bytes": (r + 1) << 20, "saved_bytes": 3 << 20, "prefetched_chunks": 4,
+                                "reached_hit_chunks": 8, "reached_in_dram_chunks": 6} for r in (0, 1)}}  # fmt: skip
+    m = cell_metrics({"records": [], "wall_s": 1.0, "before": {"ranks": {"0": {"loaded_bytes": 1 << 20}}},
+                      "after": after})  # fmt: skip
+    assert m["ranks"]["0"]["loaded_bytes"] == 0 and m["ranks"]["1"]["loaded_bytes"] == 2 << 20
+    res = _results()
+    res["rows"][2] |= {"ranks": m["ranks"]}
+    text = markdown_report(res)
+    assert "## Per tensor-parallel rank" in text
+    assert "| prefetch | 1 | 1 | 2.0 | 3.0 | 4 | 6 / 8 |" in text
+    assert "Per tensor-parallel rank" not in markdown_report(_results())  # TP=1: no such section
+
+
+def test_cpu_tensor_parallel_ranks_get_a_core_set_each():
+    from kvprefetch.vllm.cpu import OMP_BIND, omp_threads_bind, tp_cpu_env
+
+    assert omp_threads_bind(2, [0, 1]) == "0|1"
+    assert omp_threads_bind(2, list(range(16))) == "0-7|8-15"
+    assert omp_threads_bind(4, [0, 1, 2, 3, 8, 9, 10, 11, 12]) == "0-1|2-3|8-9|10-11"
+    assert tp_cpu_env(1, {}) == {} and tp_cpu_env(2, {OMP_BIND: "5|6"}) == {}
+    assert set(tp_cpu_env(2, {})) == {OMP_BIND}
+    with pytest.raises(ValueError, match="needs 4 cores"):
+        omp_threads_bind(4, [0, 1])

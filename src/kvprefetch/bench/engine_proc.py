@@ -93,6 +93,9 @@ def counters_snapshot() -> dict:
         from kvprefetch.vllm.metrics import snapshot_all
 
         snap["counters"] = snapshot_all()
+    sched = _scheduler_connector()
+    if sched is not None:
+        snap["ranks"] = {str(r): v for r, v in (sched.rank_stats() or {}).items()}  # per tensor-parallel rank
     for c in conns:
         store = getattr(c, "store", None)
         if store is None:
@@ -114,7 +117,7 @@ def counters_snapshot() -> dict:
 
 def _scheduler_connector():
     for c in _live_connectors():
-        if getattr(c, "_sched", None) is not None:
+        if c.is_scheduler:
             return c
     return None
 
@@ -530,7 +533,7 @@ def cool_dram() -> dict:
     if c is None:
         return {"dropped": 0}
     store = c.store
-    store.flush()
+    flush_stores()  # (every process's: with TP > 1 the workers save)
     keys = _disk_keys(Path(store.config.disk.path))
     return {"dropped": sum(1 for k in keys if store.dram.discard(k))}
 
@@ -688,8 +691,24 @@ def seed_remote(src: str) -> dict:
     return {"chunks": len(keys), "written": written, "seconds": time.perf_counter() - t}
 
 
+_ENGINE: Any = None  # set in main: with TP > 1 the workers (other processes) flush their own saves
+
+
+def _flush_here(_worker: Any = None) -> bool:
+    return all(c.flush(timeout=300) for c in _live_connectors())
+
+
 def flush_stores() -> bool:
-    return all(c.store.flush(timeout=300) for c in _live_connectors() if getattr(c, "store", None) is not None)
+    """Until every save started so far is in the store and written back, in this process and every worker."""
+    ok = _flush_here()
+    if _ENGINE is not None and _tp_size() > 1:
+        ok = all(_ENGINE.collective_rpc(_flush_here)) and ok
+    return ok
+
+
+def _tp_size() -> int:
+    c = _scheduler_connector()
+    return c.namespace.tp_size if c is not None else 1
 
 
 def main() -> None:
@@ -697,8 +716,12 @@ def main() -> None:
     _join_cgroup(spec.get("cgroup"))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.update(spec.get("env") or {})
+    from kvprefetch.vllm.cpu import tp_cpu_env
+
+    os.environ.update(tp_cpu_env(int((spec.get("engine_args") or {}).get("tensor_parallel_size", 1))))
+    global _ENGINE
     try:
-        engine = build_engine(spec)
+        engine = _ENGINE = build_engine(spec)
     except Exception as err:
         _reply({"error": f"engine start failed: {type(err).__name__}: {err}", "trace": traceback.format_exc()})
         os._exit(3)
@@ -765,7 +788,9 @@ def main() -> None:
                 c = _scheduler_connector()
                 _reply(
                     {
-                        "chunk_bytes": c.geo.chunk_bytes if c else None,
+                        # A chunk's bytes over every tensor-parallel rank (each rank stores its own part).
+                        "chunk_bytes": c.geo.chunk_bytes * c.namespace.tp_size if c else None,
+                        "tp_size": c.namespace.tp_size if c else None,
                         "chunk_tokens": c.keyer.chunk_tokens if c else None,
                         "block_size": c.block_size if c else None,
                     }

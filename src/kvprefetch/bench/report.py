@@ -276,6 +276,7 @@ def markdown_report(results: dict) -> str:
               "threads took (loads, saves, disk I/O; on a CPU engine, time the model did not get). `other CPU`: "
               "cores other processes kept busy during the cell (this machine is shared; timings with a large value "
               "are disturbed).", ""]  # fmt: skip
+    lines += _rank_lines(rows)
     comp = comparisons(rows)
     if comp:
         lines += ["## prefetch against the baselines, next to the whitepaper", ""]
@@ -348,6 +349,26 @@ def _sweep_lines(points: list[dict]) -> list[str]:
                "queued level in the sweep's largest R, so it pays from no R on up.")  # fmt: skip
     lines += ["", verdict, "", "![regime sweep](regime_sweep.png)", ""]
     return lines
+
+
+def _rank_lines(rows: list[dict]) -> list[str]:
+    """Per tensor-parallel rank, each cell's bytes (only when the engine has more than one rank)."""
+    cells = [r for r in _ok(rows) if len(r.get("ranks") or {}) > 1]
+    if not cells:
+        return []
+    lines = ["## Per tensor-parallel rank", "",
+             "Each rank stores its own part of every chunk (its KV heads) under keys of its own. `loaded` / `saved`: "
+             "MiB the rank's worker copied into / out of the engine; `prefetched`: its chunk reads started into "
+             "DRAM; `in DRAM when reached`: of its hit chunks, those already in DRAM when the scheduler reached "
+             "their request.", "",
+             "| mode | conc | rank | loaded MiB | saved MiB | prefetched | in DRAM when reached |",
+             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for row in cells:
+        for rank, v in row["ranks"].items():
+            lines.append(f"| {row['mode']} | {row['concurrency']} | {rank} | {v['loaded_bytes'] / 2**20:.1f} | "
+                         f"{v['saved_bytes'] / 2**20:.1f} | {v['prefetched_chunks']} | "
+                         f"{v['reached_in_dram_chunks']} / {v['reached_hit_chunks']} |")  # fmt: skip
+    return [*lines, ""]
 
 
 def _replay_vs_vllm(prediction: dict, key: str) -> str:

@@ -116,10 +116,18 @@ def cell_metrics(result: dict[str, Any], chunk_tokens: int | None = None) -> dic
         "recomputed_slower_chunks": int(counters.get("recomputed_slower_chunks", 0)),
         "load_error_chunks": int(counters.get("load_error_chunks", 0)),
         "saved_chunks": int(counters.get("saved_chunks", 0)),
+        "ranks": _rank_metrics(d.get("ranks") or {}),
         "foreign_cpu_cores": result.get("foreign_cpu_cores"),
         "helper_cpu_s": result.get("helper_cpu_s"),
         "ttft_samples_s": sorted(round(x, 6) for x in ttft),
     }
+
+
+def _rank_metrics(ranks: dict) -> dict[str, dict[str, int]]:
+    """Per tensor-parallel rank: bytes loaded into and saved from the engine (the workers'), chunk reads
+    started into DRAM, and how many of its hit chunks were already in DRAM when the scheduler got there."""
+    names = ("loaded_bytes", "saved_bytes", "prefetched_chunks", "reached_hit_chunks", "reached_in_dram_chunks")
+    return {str(r): {n: int(v.get(n, 0)) for n in names} for r, v in sorted(ranks.items(), key=lambda x: int(x[0]))}
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
