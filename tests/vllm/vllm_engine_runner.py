@@ -8,6 +8,8 @@ runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the connector's counters a
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import sys
@@ -78,7 +80,11 @@ def main() -> None:
         kwargs["load_format"] = spec["load_format"]
         kwargs["model_loader_extra_config"] = spec.get("model_loader_extra_config", {})
     kwargs.update(spec.get("engine_args") or {})  # e.g. tensor_parallel_size
+    shm_before = set(glob.glob("/dev/shm/vllm_dist_*"))
     llm = LLM(**kwargs)
+    # vLLM's CPU build leaves its TP>1 shared-memory segments behind when the process ends: remove this
+    # engine's (created while it started) at exit.
+    shm_mine = set(glob.glob("/dev/shm/vllm_dist_*")) - shm_before
     _reply({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -133,6 +139,9 @@ def main() -> None:
             _reply({"bye": True})
             break
     del llm
+    for f in shm_mine:
+        with contextlib.suppress(OSError):
+            os.unlink(f)
     os._exit(0)  # skip interpreter teardown of the engine's threads
 
 
