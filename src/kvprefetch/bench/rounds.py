@@ -16,13 +16,14 @@ import statistics
 from typing import Any
 
 SPREAD_KEYS = ("ttft_p50_s", "ttft_p90_s", "itl_p50_s", "output_tok_s")
+SAMPLE_KEYS = ("ttft_samples_s",)  # per-request samples: every round's, pooled
 IDENTITY_KEYS = ("mode", "concurrency", "regime", "workload", "status")  # what a cell is, not what it measured
 """The figures a row reports with their min-max over the rounds, and per round (``by_round``)."""
 
 
 def aggregate(runs: list[dict]) -> list[dict]:
-    """One row per (regime, mode, concurrency) in first-run order: medians of the ok rounds' numbers, lists
-    (samples) concatenated, the rest from the first round. A cell no round measured keeps its first failure."""
+    """One row per (regime, mode, concurrency) in first-run order: medians of the ok rounds' numbers, their
+    samples pooled, the rest (lists such as requests per engine, text) from the first round. A cell no round measured keeps its first failure."""
     groups: dict[tuple[Any, str, int], list[dict]] = {}
     for r in runs:
         groups.setdefault((r.get("regime"), r["mode"], r["concurrency"]), []).append(r)
@@ -44,7 +45,7 @@ def _merge(rounds: list[dict]) -> dict:
             row[key] = statistics.median_low(vals)  # a count stays a count
         elif vals and all(isinstance(v, int | float) and not isinstance(v, bool) for v in vals):
             row[key] = statistics.median(vals)
-        elif vals and all(isinstance(v, list) for v in vals):
+        elif key in SAMPLE_KEYS:
             row[key] = sorted(x for v in vals for x in v)
         else:
             row[key] = ok[0].get(key)
