@@ -23,7 +23,8 @@ IDENTITY_KEYS = ("mode", "concurrency", "regime", "workload", "status")  # what 
 
 def aggregate(runs: list[dict]) -> list[dict]:
     """One row per (regime, mode, concurrency) in first-run order: medians of the ok rounds' numbers, their
-    samples pooled, the rest (lists such as requests per engine, text) from the first round. A cell no round measured keeps its first failure."""
+    samples pooled, the rest (lists such as requests per engine, text) from the first round. A cell no round
+    measured keeps its first failure."""
     groups: dict[tuple[Any, str, int], list[dict]] = {}
     for r in runs:
         groups.setdefault((r.get("regime"), r["mode"], r["concurrency"]), []).append(r)
