@@ -21,15 +21,27 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 import vllm  # noqa: E402  (after the constants so an import error names the tested range in the traceback)
 
 __all__ = [
     "TESTED_VLLM",
+    "CacheHitSource",
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
+    "KVConnectorPromMetrics",
     "KVConnectorRole",
+    "KVConnectorStats",
     "KVConnectorWorkerMetadata",
+    "PromMetric",
+    "PromMetricT",
     "block_ids_of",
     "check_version",
     "kv_layout_of",

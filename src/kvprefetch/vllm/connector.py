@@ -33,6 +33,7 @@ from kvprefetch.vllm.metadata import KVPrefetchMetadata
 from kvprefetch.vllm.metrics import ConnectorCounters, Reporter
 from kvprefetch.vllm.scheduler import SchedulerSide
 from kvprefetch.vllm.settings import ConnectorSettings, parse_extra_config
+from kvprefetch.vllm.stats import KVPrefetchPromMetrics, KVPrefetchStats, StatsTracker, vllm_hit_sources
 from kvprefetch.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -132,6 +133,8 @@ class KVPrefetchConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._reporter: Reporter | None = None
+        self._vllm_stats = StatsTracker(self.counters, lambda: self.store.stats())
+        self._closed_store = False
         if is_scheduler:
             store = open_store(self.settings, self.geo.chunk_bytes)
             self._sched = SchedulerSide(
@@ -227,17 +230,41 @@ class KVPrefetchConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self):
         return self._worker.build_worker_meta() if self._worker is not None else None
 
+    # ==== vLLM's own metrics (its /metrics and log line; see stats.py) ==========================================
+    def get_kv_connector_stats(self) -> KVPrefetchStats | None:
+        return self._vllm_stats.take() if self.store is not None and not self._closed_store else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPrefetchStats:
+        return KVPrefetchStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KVPrefetchPromMetrics:
+        return KVPrefetchPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
+        tokens = self._sched.hit_tokens(request.request_id) if self._sched is not None else {}
+        return vllm_hit_sources(tokens, num_external_tokens)
+
     def shutdown(self) -> None:
+        """vLLM's shutdown (also on SIGTERM): drain the write-back, then detach from the DRAM pool, which drops
+        this process's pins there (otherwise only the next process to attach reaps them)."""
         if self._worker is not None:
-            self._worker.shutdown()
+            self._worker.shutdown()  # waits for its saves and the store's write-back
         if self._reporter is not None:
             self._reporter.close()
         # Detach from the DRAM pool last (the reporter reads its stats): the last process to detach frees the
-        # pool's RAM when dram.keep_idle_s says so.
-        for side in (self._worker, self._sched):
-            if side is not None and side.store is not None:
-                with contextlib.suppress(Exception):
-                    side.store.close()
+        # pool's RAM when dram.keep_idle_s says so; detaching drops this process's pins there.
+        store, self._closed_store = (None if self._closed_store else self.store), True
+        if store is not None:
+            drained = store.flush(timeout=60)
+            with contextlib.suppress(Exception):
+                store.close()
+            # (a warning when chunks were lost: vLLM's server shows kvprefetch's warnings, not its info lines)
+            (log.info if drained else log.warning)(
+                "kvprefetch: %s side shut down (write-back %s, DRAM pool detached)",
+                self.counters.role, "drained" if drained else "NOT drained in 60 s: chunks only in DRAM",
+            )  # fmt: skip
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

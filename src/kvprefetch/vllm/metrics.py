@@ -41,7 +41,17 @@ COUNTERS: dict[str, str] = {
     "saved_chunks": "Whole chunks planned for saving to the store.",
     "worker_saved_chunks": "Chunks copied out of the engine into the store by the workers.",
     "save_errors": "Save jobs that failed (the chunks are simply not cached).",
+    "hit_tokens_dram": "Prompt tokens loaded into the engine from the DRAM tier.",
+    "hit_tokens_disk": "Prompt tokens loaded into the engine from the disk tier (read up through DRAM).",
+    "hit_tokens_remote": "Prompt tokens loaded into the engine from the remote tier (read up through DRAM).",
 }
+HIT_TIERS = ("dram", "disk", "remote")
+
+
+def hit_counter(tier: str) -> str:
+    """The counter of prompt tokens loaded from `tier` (the tier that held each chunk when its load was planned)."""
+    return f"hit_tokens_{tier}"
+
 
 _live: weakref.WeakSet[ConnectorCounters] = weakref.WeakSet()
 

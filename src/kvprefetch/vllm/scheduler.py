@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from kvprefetch.keys import ChunkKeyer
 from kvprefetch.vllm.costmodel import CostModel, TierMeter
 from kvprefetch.vllm.metadata import KVPrefetchMetadata, KVPrefetchWorkerMeta, LoadJob, SaveJob
-from kvprefetch.vllm.metrics import ConnectorCounters, RankCounters
+from kvprefetch.vllm.metrics import ConnectorCounters, RankCounters, hit_counter
 from kvprefetch.vllm.settings import ConnectorSettings, LoadMode
 
 if TYPE_CHECKING:
@@ -74,6 +74,7 @@ class _Plan:
     load: int
     is_async: bool
     below_dram: int  # chunks of [first, load) below DRAM on some rank
+    tiers: tuple[str, ...] = ()  # each chunk of [0, load)'s tier when planned (vLLM's hit-source split)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,12 @@ class _Hit:
     def on_disk(self) -> list[bool]:
         return [not self.in_dram(i) for i in range(self.num_chunks)]
 
+    def tier(self, i: int) -> str:
+        """Where chunk i comes from: DRAM if every rank has it there, else the first other tier a rank names."""
+        if self.in_dram(i):
+            return _DRAM
+        return next(str(getattr(t[i], "value", t[i])) for t in self.tiers if t[i] != _DRAM)
+
 
 @dataclass
 class _Req:
@@ -108,6 +115,7 @@ class _Req:
     load: LoadJob | None = None  # LOADING, async: the job the workers have
     load_settled: bool = False  # ... and whether they were told its reads are over
     holds: set[bytes] = field(default_factory=set)  # chunks pinned in DRAM for it (`DramHolds`)
+    hit_tokens: dict[str, int] = field(default_factory=dict)  # the last load's tokens per tier
     skipped_slower: int = 0
     saved_chunks: int = 0  # leading chunks known to be in the store (loaded, present or saved)
     saves_inflight: set[int] = field(default_factory=set)
@@ -307,7 +315,7 @@ class SchedulerSide:
             k, is_async = self._chunks_to_load(st, hit, first, async_s=None), False
         if k * self.C <= num_computed_tokens:
             return None
-        return _Plan(first, k, is_async, hit.below_dram(first, k))
+        return _Plan(first, k, is_async, hit.below_dram(first, k), tuple(hit.tier(i) for i in range(k)))
 
     def serve_late(self, st: _Req, hit: _Hit, first: int) -> tuple[int, bool]:
         """What happens to a request whose hit is not all in DRAM when the scheduler reaches it: its prefetch is
@@ -378,6 +386,12 @@ class SchedulerSide:
         k = plan.load
         start_tok = k * self.C - num_external_tokens  # the engine's own (block-aligned) prefix hit ends here
         first = start_tok // self.C
+        st.hit_tokens = {}
+        for c in range(first, k):  # the first chunk may be partly in the engine's own prefix cache already
+            n = (c + 1) * self.C - max(c * self.C, start_tok)
+            st.hit_tokens[plan.tiers[c]] = st.hit_tokens.get(plan.tiers[c], 0) + n
+        for tier, n in st.hit_tokens.items():
+            self.counters.inc(hit_counter(tier), n)
         per_chunk: list[list[int]] = []
         for c in range(first, k):
             ids = []
@@ -514,6 +528,11 @@ class SchedulerSide:
             if st.prefetch is not None and not st.prefetch.wait(max(0.0, deadline - time.monotonic())):
                 return False
         return True
+
+    def hit_tokens(self, req_id: str) -> dict[str, int]:
+        """The request's last planned load, in tokens per tier that held them (vLLM's hit-source split)."""
+        st = self.reqs.get(req_id)
+        return dict(st.hit_tokens) if st is not None else {}
 
     def cost_snapshot(self) -> dict[str, Any]:
         return self.cost.snapshot() | {"disk_outstanding": self.disk_meter.outstanding}

@@ -1,0 +1,102 @@
+"""kvprefetch's stats in vLLM's connector-stats API, without an engine: deltas, sums, the log line, Prometheus."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvprefetch.vllm.metrics import ConnectorCounters
+from kvprefetch.vllm.stats import KVPrefetchPromMetrics, KVPrefetchStats, StatsTracker, vllm_hit_sources
+
+
+def _io(nbytes: int, ops: int, seconds: float) -> dict:
+    return {"io": {"disk/prefetch": {"bytes": nbytes, "ops": ops, "busy_seconds": seconds, "errors": 0}}}
+
+
+def test_tracker_reports_what_moved_since_its_last_report():
+    counters = ConnectorCounters("scheduler")
+    store = {"now": _io(0, 0, 0.0)}
+    t = StatsTracker(counters, lambda: store["now"])
+    assert t.take() is None  # nothing moved: vLLM sends nothing
+    counters.inc("prefetched_chunks", 3)
+    counters.inc("hit_tokens_dram", 512)
+    store["now"] = _io(3 << 20, 3, 0.03)
+    first = t.take()
+    assert first.data["counters"] == {"prefetched_chunks": 3, "hit_tokens_dram": 512}
+    assert first.data["io"]["disk/prefetch"] == {"bytes": 3 << 20, "ops": 3, "busy_seconds": 0.03}
+    counters.inc("prefetched_chunks", 1)
+    second = t.take()
+    assert second.data == {"counters": {"prefetched_chunks": 1}, "io": {}}
+    assert t.take() is None
+
+
+def test_a_closed_store_reports_counters_only():
+    counters = ConnectorCounters("worker")
+
+    def closed():
+        raise ValueError("store closed")
+
+    counters.inc("worker_saved_chunks", 2)
+    assert StatsTracker(counters, closed).take().data == {"counters": {"worker_saved_chunks": 2}, "io": {}}
+
+
+def test_stats_from_scheduler_and_workers_add_up_and_reduce_to_the_log_line():
+    sched = KVPrefetchStats(data={"counters": {"prefetched_chunks": 4, "loaded_chunks": 4}} | _io(4 << 20, 4, 0.04))
+    w0 = KVPrefetchStats(data={"counters": {"worker_loaded_chunks": 4, "hit_tokens_disk": 1024}, "io": {}})
+    w1 = KVPrefetchStats(data={"counters": {"worker_loaded_chunks": 4}} | _io(1 << 20, 1, 0.01))
+    total = sched.aggregate(w0).aggregate(w1).aggregate(KVPrefetchStats())
+    assert total.data["counters"] == {
+        "prefetched_chunks": 4, "loaded_chunks": 4, "worker_loaded_chunks": 8, "hit_tokens_disk": 1024,
+    }  # fmt: skip
+    assert total.data["io"]["disk/prefetch"] == {"bytes": 5 << 20, "ops": 5, "busy_seconds": 0.05, "errors": 0}
+    line = total.reduce()
+    assert line["prefetched"] == 4 and line["loaded"] == 4 and line["hit_tokens_disk"] == 1024
+    assert line["disk_read_MB"] == round((5 << 20) / 1e6, 1)
+    assert line["disk_read_ms"] == 10.0
+    assert not total.is_empty() and KVPrefetchStats().is_empty()
+    # The front end rebuilds the object from the dict vLLM sent it.
+    assert KVPrefetchStats(data=total.to_dict()).reduce() == line
+
+
+def test_hit_sources_name_vllms_tiers_and_must_add_up():
+    assert vllm_hit_sources({"dram": 256, "disk": 512}, 768) == {CacheHitSource.HOST: 256, CacheHitSource.DISK: 512}
+    assert vllm_hit_sources({"remote": 256}, 256) == {CacheHitSource.EXTERNAL_UNSPECIFIED: 256}
+    assert vllm_hit_sources({"dram": 256}, 300) == {CacheHitSource.EXTERNAL_UNSPECIFIED: 300}
+    assert vllm_hit_sources({}, 0) == {}
+
+
+def _metric_types(registry: CollectorRegistry) -> dict:
+    def bound(cls):
+        class Bound(cls):
+            def __init__(self, *a, **kw):
+                kw.pop("multiprocess_mode", None)
+                super().__init__(*a, registry=registry, **kw)
+
+        return Bound
+
+    return {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)}
+
+
+def test_prometheus_series_exist_at_zero_and_count_what_vllm_observes():
+    registry = CollectorRegistry()
+    extra = {"tiers": ["dram", "disk"], "disk": {"path": "/nonexistent/kvp"}}
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
+    prom = KVPrefetchPromMetrics(config, _metric_types(registry), ["model_name", "engine"], {0: ["m", "0"]})
+    labels = {"model_name": "m", "engine": "0"}
+    assert registry.get_sample_value("vllm:kvprefetch_prefetch_late_total", labels) == 0
+    assert registry.get_sample_value("vllm:kvprefetch_hit_tokens_total", labels | {"tier": "disk"}) == 0
+    assert registry.get_sample_value("vllm:kvprefetch_io_errors_total", labels | {"tier": "disk", "cls": "demand"}) == 0
+    data = {"counters": {"prefetch_late": 2, "hit_tokens_dram": 256}} | _io(1 << 20, 1, 0.5)
+    prom.observe(data, 0)
+    prom.observe(data, 0)
+    assert registry.get_sample_value("vllm:kvprefetch_prefetch_late_total", labels) == 4
+    assert registry.get_sample_value("vllm:kvprefetch_hit_tokens_total", labels | {"tier": "dram"}) == 512
+    io_labels = labels | {"tier": "disk", "cls": "prefetch"}
+    assert registry.get_sample_value("vllm:kvprefetch_io_bytes_total", io_labels) == 2 << 20
+    assert registry.get_sample_value("vllm:kvprefetch_io_seconds_total", io_labels) == 1.0
