@@ -132,7 +132,9 @@ def _print_iobench(result, base: Path) -> None:
 def _register_subcommands() -> None:
     from kvprefetch.bench.bench_cli import register as register_bench
     from kvprefetch.bench.remotebench_cli import register as register_remotebench
+    from kvprefetch.bench.serve_bench_cli import register as register_bench_serve
     from kvprefetch.loader.cli import register as register_loadbench
+    from kvprefetch.serve_cli import register as register_serve
     from kvprefetch.sim.cli import register as register_sim
     from kvprefetch.status_cli import register as register_status
     from kvprefetch.trace_cli import register as register_trace
@@ -143,6 +145,8 @@ def _register_subcommands() -> None:
     register_status(app)
     register_trace(app)
     register_loadbench(app)
+    register_serve(app)
+    register_bench_serve(app)
 
 
 _register_subcommands()
