@@ -86,8 +86,12 @@ def serve(
         vllm_args = [*TINY_MODEL_ARGS, *vllm_args]
     transfer = None
     if connector:
-        extra_cfg = build_extra(config, extra, sets or [])
-        check_extra(extra_cfg)
+        try:
+            extra_cfg = build_extra(config, extra, sets or [])
+            check_extra(extra_cfg)
+        except ConfigError as err:
+            console.print(f"[red]{err}[/red]")
+            raise typer.Exit(2) from None
         transfer = connector_transfer_config(extra_cfg)
     if not any(a == "--shutdown-timeout" or a.startswith("--shutdown-timeout=") for a in vllm_args):
         vllm_args += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
