@@ -9,8 +9,9 @@ import pytest
 pytest.importorskip("vllm")
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvprefetch.io.stats import IOStats
+from kvprefetch.vllm.compat import CacheHitSource
 from kvprefetch.vllm.metrics import ConnectorCounters
 from kvprefetch.vllm.stats import KVPrefetchPromMetrics, KVPrefetchStats, StatsTracker, vllm_hit_sources
 
@@ -19,20 +20,27 @@ def _io(nbytes: int, ops: int, seconds: float) -> dict:
     return {"io": {"disk/prefetch": {"bytes": nbytes, "ops": ops, "busy_seconds": seconds, "errors": 0}}}
 
 
+
+
 def test_tracker_reports_what_moved_since_its_last_report():
     counters = ConnectorCounters("scheduler")
-    store = {"now": _io(0, 0, 0.0)}
-    t = StatsTracker(counters, lambda: store["now"])
+    io = IOStats()
+    t = StatsTracker(counters, io.totals)
     assert t.take() is None  # nothing moved: vLLM sends nothing
     counters.inc("prefetched_chunks", 3)
     counters.inc("hit_tokens_dram", 512)
-    store["now"] = _io(3 << 20, 3, 0.03)
+    for _ in range(3):
+        io.queued("disk", "prefetch", +1)
+        io.started("disk", "prefetch")
+        io.finished("disk", "prefetch", 1 << 20, 0.01, ok=True)
     first = t.take()
     assert first.data["counters"] == {"prefetched_chunks": 3, "hit_tokens_dram": 512}
-    assert first.data["io"]["disk/prefetch"] == {"bytes": 3 << 20, "ops": 3, "busy_seconds": 0.03}
+    assert first.data["io"]["disk/prefetch"] == {"bytes": 3 << 20, "ops": 3, "busy_seconds": pytest.approx(0.03)}
     counters.inc("prefetched_chunks", 1)
+    io.queued("disk", "prefetch", +1)
+    io.dropped("disk", "prefetch", "cancelled")
     second = t.take()
-    assert second.data == {"counters": {"prefetched_chunks": 1}, "io": {}}
+    assert second.data == {"counters": {"prefetched_chunks": 1}, "io": {"disk/prefetch": {"cancelled": 1}}}
     assert t.take() is None
 
 

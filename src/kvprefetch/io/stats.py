@@ -96,3 +96,12 @@ class IOStats:
     def snapshot(self) -> dict:
         with self._lock:
             return {f"{t}/{c}": s.snapshot() for (t, c), s in sorted(self._stats.items())}
+
+    def totals(self) -> dict[str, dict[str, float]]:
+        """The cumulative counts per "tier/cls" (no percentiles: cheap enough to read every engine step)."""
+        with self._lock:
+            return {
+                f"{t}/{c}": {"bytes": s.bytes, "ops": s.ops, "busy_seconds": s.seconds, "errors": s.errors,
+                             "cancelled": s.cancelled}
+                for (t, c), s in self._stats.items()
+            }  # fmt: skip

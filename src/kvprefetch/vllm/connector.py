@@ -133,7 +133,7 @@ class KVPrefetchConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._reporter: Reporter | None = None
-        self._vllm_stats = StatsTracker(self.counters, lambda: self.store.stats())
+        self._vllm_stats = StatsTracker(self.counters, lambda: self.store.io.stats.totals())
         self._closed_store = False
         if is_scheduler:
             store = open_store(self.settings, self.geo.chunk_bytes)

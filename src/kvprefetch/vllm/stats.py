@@ -65,12 +65,6 @@ LOG_KEYS: tuple[tuple[str, str], ...] = (
 )
 
 
-def _io_view(store_stats: Mapping[str, Any] | None) -> dict[str, dict[str, float]]:
-    """The cumulative fields we export from a store's ``stats()["io"]``: {"tier/cls": {field: value}}."""
-    io = (store_stats or {}).get("io") or {}
-    return {key: {f: float(st.get(f, 0)) for f in IO_FIELDS} for key, st in io.items()}
-
-
 @dataclass
 class KVPrefetchStats(KVConnectorStats):
     """One interval's deltas: ``{"counters": {name: n}, "io": {"tier/cls": {field: x}}}`` (only non-zero)."""
@@ -124,20 +118,22 @@ class KVPrefetchStats(KVConnectorStats):
 class StatsTracker:
     """What one connector instance reports to vLLM: its counters' and its store's growth since the last report."""
 
-    def __init__(self, counters: ConnectorCounters, store_stats: Callable[[], Mapping[str, Any]] | None):
+    def __init__(self, counters: ConnectorCounters, io_totals: Callable[[], Mapping[str, Mapping[str, float]]] | None):
+        """`io_totals`: the store's cumulative I/O per "tier/cls" (`kvprefetch.io.stats.IOStats.totals`)."""
         self.counters = counters
-        self.store_stats = store_stats
+        self.io_totals = io_totals
         self._lock = threading.Lock()
         self._last_counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._last_io: dict[str, dict[str, float]] = {}
 
     def _io_now(self) -> dict[str, dict[str, float]]:
-        if self.store_stats is None:
+        if self.io_totals is None:
             return {}
         try:
-            return _io_view(self.store_stats())
-        except Exception:  # a closed store mid-shutdown: report counters only
+            totals = self.io_totals()
+        except Exception:  # no store yet, or one closed mid-shutdown: report counters only
             return {}
+        return {key: {f: float(st.get(f, 0)) for f in IO_FIELDS} for key, st in totals.items()}
 
     def take(self) -> KVPrefetchStats | None:
         """The deltas since the last call (None when nothing moved: vLLM then sends nothing)."""
