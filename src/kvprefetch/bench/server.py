@@ -206,17 +206,21 @@ _BENCH_MAIN = """
 import json, sys, time, urllib.request
 from vllm.benchmarks.serve import add_cli_args, main
 from vllm.utils.argparse_utils import FlexibleArgumentParser
-for job in json.loads(sys.argv[1]):
-    deadline = time.monotonic() + job["ready_timeout"]
-    while True:  # the servers start while this process imports vLLM
+jobs = json.loads(sys.argv[1])
+for url in dict.fromkeys(job["url"] for job in jobs):
+    # The servers start while this process imports vLLM; no run starts before every server is up, so no run
+    # shares the CPU with another server's start-up.
+    deadline = time.monotonic() + jobs[0]["ready_timeout"]
+    while True:
         try:
-            if urllib.request.urlopen(job["url"] + "/health", timeout=2).status == 200:
+            if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
                 break
         except OSError:
             pass
         if time.monotonic() > deadline:
-            sys.exit("server not ready: " + job["url"])
+            sys.exit("server not ready: " + url)
         time.sleep(0.5)
+for job in jobs:
     p = FlexibleArgumentParser()
     add_cli_args(p)
     main(p.parse_args(job["args"]))
@@ -237,7 +241,7 @@ class VllmBenchClient:
     after the other, in one process of its own (the `vllm` command itself needs the `vllm` distribution metadata
     that scripts/setup.sh registers; the module's entry point does not).
 
-    It starts at once and waits for each server's /health itself, so its vLLM import overlaps the servers'
+    It starts at once and waits for every server's /health itself, so its vLLM import overlaps the servers'
     start-up; runs never overlap each other, so one server's TTFT is not measured while another one works."""
 
     def __init__(
@@ -324,7 +328,8 @@ def compare_servers(
     try:
         for name, argv in servers.items():
             live[name] = OpenAIServer(argv, work / f"server-{name}.log", free_port())
-        jobs = [BenchJob(s.url, f"{name}-{r}") for name, s in live.items() for r in rounds]
+        # Round by round, the servers in turn: a drift in the machine's load over the run hits every server alike.
+        jobs = [BenchJob(s.url, f"{name}-{r}") for r in rounds for name, s in live.items()]
         client = VllmBenchClient(jobs, model, workload, work / "results", ready_timeout=timeout)
         for s in live.values():
             s.wait_ready(timeout)
