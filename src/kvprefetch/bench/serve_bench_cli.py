@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 console = Console()
-SERVER_MODES = ("recompute", "ondemand", "ondemand-sync", "prefetch", "vllm-example")
+SERVER_MODES = ("recompute", "ondemand", "ondemand-sync", "ondemand-serial", "prefetch", "vllm-example")
 
 
 def bench_serve(
