@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import uuid
 from pathlib import Path
 
@@ -122,7 +123,10 @@ def test_every_metric_the_dashboard_queries_is_in_the_servers_metrics(served):
 
 
 def test_sigterm_drains_the_write_back_and_releases_the_pool(served):
-    assert served.exit_codes == {"kvprefetch": 0, "vllm": 0}
+    # Each server stopped on its own within the grace period, never SIGKILLed past it: 0, or -SIGTERM when
+    # uvicorn re-raises the signal it caught after its graceful shutdown (which of the two is a race).
+    assert set(served.exit_codes) == {"kvprefetch", "vllm"}
+    assert all(rc in (0, -signal.SIGTERM) for rc in served.exit_codes.values()), served.exit_codes
     pool = served.pool_after
     # Every process detached itself on shutdown: nothing left for the next process to reap, no pins.
     assert pool["reaped"] == 0
