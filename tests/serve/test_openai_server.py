@@ -50,7 +50,8 @@ def served(tmp_path_factory):
     disk = work / "disk"
     extra = {
         "chunk_tokens": 256,
-        "dram": {"capacity_bytes": 64 << 20, "pool_name": pool},
+        # keep_idle_s null: the pool outlives the server, so the test can read what its shutdown left there
+        "dram": {"capacity_bytes": 64 << 20, "pool_name": pool, "keep_idle_s": None},
         "disk": {"path": str(disk), "capacity_bytes": 1 << 30},
         # Load every hit: whether loading beats recomputing on this machine is the cost model's call (and its
         # tests'); here a warm hit must reach the engine so that the load counters have something to count.
