@@ -56,7 +56,7 @@ def test_the_tiny_model_gets_a_tokenizer_and_dummy_weights(tmp_path, monkeypatch
 
 def test_bad_connector_config_stops_before_vllm_starts(tmp_path):
     for args, said in [
-        (["--set", "load_mode=bogus"], "load_mode must be"),
+        (["--set", "load_mode=bogus"], "load_mode: Input should be"),
         (["-c", str(tmp_path / "missing.yaml")], "config file not found"),
         (["--extra", "[1]"], "--extra must be a JSON object"),
         (["--set", "novalue"], "--set takes KEY=VALUE"),
