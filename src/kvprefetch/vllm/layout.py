@@ -15,7 +15,7 @@ is one contiguous run, which is what lets a load scatter layer by layer while th
 **Host KV is copied with numpy, never with torch ops** (invariant: the connector's threads start no OpenMP
 team). The copies run on the connector's loader and saver threads. A torch CPU op on a thread that is not the
 model's starts an OpenMP team of its own for that thread (``torch.get_num_threads() - 1`` more threads, which
-live as long as the process), and libgomp's threads spin-wait after every parallel region: on a CPU engine they
+live as long as that thread), and libgomp's threads spin-wait after every parallel region: on a CPU engine they
 take the cores the model's forward runs on. On a 2-core machine this doubled the decode step (3.3 -> 6.3 ms)
 in every mode with an async load path. numpy's copies are plain single-threaded memcpy loops. Device KV (GPU)
 keeps torch's copies, which run on the device.
@@ -103,6 +103,7 @@ class PagedKV:
         self.page_bytes = math.prod(self.page_shape) * first.element_size()
         # uint8 views of host KV, one per layer ([num_blocks, *page] with the last dim in bytes), for numpy copies
         self.host = [host_bytes(t) for t in self.layers] if self.device.type == "cpu" else None
+        self.host_page = self.host[0].shape[1:] if self.host is not None else ()  # one block's page, in bytes
 
     @staticmethod
     def _per_block(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -126,11 +127,11 @@ class PagedKV:
     # ---- host views (numpy, see the module docstring) ----------------------------------------------------------
     def _host_pages(self, flat: np.ndarray, n: int) -> np.ndarray:
         """``n`` contiguous pages in a flat byte run, shaped like one block of a host layer view."""
-        return flat.reshape(n, *self.host[0].shape[1:])
+        return flat.reshape(n, *self.host_page)
 
     def _host_chunks(self, rows: np.ndarray, geo: ChunkGeometry) -> np.ndarray:
         """``[n, chunk_bytes]`` bytes as ``[n, layers, blocks_per_chunk, *page bytes]``."""
-        return rows.reshape(rows.shape[0], geo.num_layers, geo.blocks_per_chunk, *self.host[0].shape[1:])
+        return rows.reshape(rows.shape[0], geo.num_layers, geo.blocks_per_chunk, *self.host_page)
 
     # ---- copies -----------------------------------------------------------------------------------------------
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
@@ -153,9 +154,9 @@ class PagedKV:
         if out.device != self.device:
             self.gather(block_ids, out, geo)
             return
+        if any(len(chunk) != geo.blocks_per_chunk for chunk in block_ids):
+            raise ValueError("every chunk to save needs exactly blocks_per_chunk blocks")
         if self.host is not None:
-            if any(len(chunk) != geo.blocks_per_chunk for chunk in block_ids):
-                raise ValueError("every chunk to save needs exactly blocks_per_chunk blocks")
             rows = self._host_chunks(host_bytes(out[: len(block_ids)]), geo)
             idx = np.asarray(block_ids, dtype=np.int64)  # [n, blocks_per_chunk]
             for li, layer in enumerate(self.host):
@@ -163,8 +164,6 @@ class PagedKV:
             return
         view = self.chunk_view(out[: len(block_ids)], geo)
         for i, chunk in enumerate(block_ids):
-            if len(chunk) != geo.blocks_per_chunk:
-                raise ValueError("every chunk to save needs exactly blocks_per_chunk blocks")
             idx = self._index(chunk)
             for li, layer in enumerate(self.layers):
                 torch.index_select(layer, 0, idx, out=view[i, li])
@@ -190,7 +189,6 @@ class PagedKV:
 
     def scatter_layer(self, li: int, src: torch.Tensor, block_ids: Sequence[Sequence[int]], geo: ChunkGeometry) -> None:
         """Copy layer ``li`` of chunks ``src[i]`` into their blocks; a block id < 0 is skipped (already present)."""
-        view = self.chunk_view(src, geo)[:, li]  # [n, blocks_per_chunk, *page]
         rows, dst = [], []
         for i, chunk in enumerate(block_ids):
             for j, b in enumerate(chunk):
@@ -200,10 +198,10 @@ class PagedKV:
         if not dst:
             return
         if self.host is not None and src.device.type == "cpu":
-            pages = self._host_chunks(host_bytes(src), geo)[:, li].reshape(-1, *self.host[li].shape[1:])
+            pages = self._host_chunks(host_bytes(src), geo)[:, li].reshape(-1, *self.host_page)
             self.host[li][np.asarray(dst, dtype=np.int64)] = pages[rows]
             return
-        pages = view.reshape(-1, *self.page_shape)
+        pages = self.chunk_view(src, geo)[:, li].reshape(-1, *self.page_shape)  # [n * blocks_per_chunk, *page]
         if len(rows) != pages.shape[0]:
             pages = pages.index_select(0, torch.as_tensor(rows, dtype=torch.int64))
         if pages.device != self.device:
