@@ -107,6 +107,12 @@ def regimes_of(rows: list[dict]) -> list[Any]:
     return list(dict.fromkeys(r.get("regime") for r in rows))
 
 
+def own_regime(rows: list[dict]) -> list[dict]:
+    """The ok rows of the run's own regime (a sweep's others left out)."""
+    first = next(iter(regimes_of(rows)), None)
+    return [r for r in _ok(rows) if r.get("regime") == first]
+
+
 SPEED = {"lower": "faster", "higher": "slower"}  # a TTFT ratio's verdict, said of prefetch
 BASELINES = ("ondemand-serial", "ondemand-sync", "ondemand", "dram", "recompute", "vllm-example", "lmcache")
 
@@ -409,7 +415,7 @@ def _declared(w: dict) -> str:
 
 def achieved_hit_ratios(rows: list[dict]) -> dict[str, float]:
     """Each mode's hit ratio over all its levels (weighted by their prompt tokens), in the run's own regime."""
-    own = [r for r in _ok(rows) if r.get("regime") == regimes_of(rows)[0]]
+    own = own_regime(rows)
     out: dict[str, float] = {}
     for m in dict.fromkeys(r["mode"] for r in own):
         cells = [r for r in own if r["mode"] == m and r.get("prompt_tokens")]
@@ -462,8 +468,7 @@ def plots(results: dict, out: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = _ok(results.get("rows", []))
-    rows = [r for r in rows if r.get("regime") == (regimes_of(rows) or [None])[0]]  # a sweep: the run's own
+    rows = own_regime(results.get("rows", []))
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     written = []
     for key, name, ylabel, title in (

@@ -16,9 +16,9 @@ import statistics
 from typing import Any
 
 SPREAD_KEYS = ("ttft_p50_s", "ttft_p90_s", "itl_p50_s", "output_tok_s")
+"""The figures a row reports with their min-max over the rounds, and per round (``by_round``)."""
 SAMPLE_KEYS = ("ttft_samples_s",)  # per-request samples: every round's, pooled
 IDENTITY_KEYS = ("mode", "concurrency", "regime", "workload", "status")  # what a cell is, not what it measured
-"""The figures a row reports with their min-max over the rounds, and per round (``by_round``)."""
 
 
 def aggregate(runs: list[dict]) -> list[dict]:
@@ -37,9 +37,9 @@ def _merge(rounds: list[dict]) -> dict:
         return dict(rounds[0]) | {"repeats": 0}
     row: dict[str, Any] = {}
     for key in dict.fromkeys(k for r in ok for k in r):
-        vals = [r[key] for r in ok if key in r and r[key] is not None]
         if key == "round":
             continue
+        vals = [r[key] for r in ok if key in r and r[key] is not None]
         if key in IDENTITY_KEYS:
             row[key] = ok[0].get(key)
         elif vals and all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
