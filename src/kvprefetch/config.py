@@ -17,6 +17,7 @@ from pydantic import (
     ByteSize,
     ConfigDict,
     Field,
+    NonNegativeInt,
     ValidationError,
     field_validator,
     model_validator,
@@ -116,6 +117,11 @@ class IOConfig(_Section):
     )
     read_rate_limit_bps: PositiveBytes | None = Field(
         default=None, description="Cap on the disk tier's read rate (to emulate a slower storage regime)."
+    )
+    cpus: list[NonNegativeInt] | None = Field(
+        default=None,
+        description="Cores the store's and the connector's threads run on (default: wherever their process "
+        "runs). Keep them off the cores a CPU engine binds its model to (kvprefetch.io.affinity).",
     )
 
 

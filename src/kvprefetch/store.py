@@ -157,7 +157,7 @@ class TieredStore:
             self.remote.backend.register_memory(self.dram.data_view())
         self._remote_written: set[bytes] = set()
         self._hits: dict[bytes, int] = {}
-        self.io = IOEngine(threads=config.io.threads)
+        self.io = IOEngine(threads=config.io.threads, cpus=config.io.cpus)
         if config.io.read_rate_limit_bps:
             self.io.set_rate_limit(Tier.DISK.value, int(config.io.read_rate_limit_bps))
         self.counters = {

@@ -79,6 +79,14 @@ def register(app: typer.Typer) -> None:
                 "ratios are reported (default 3; 1 with --quick).",
             ),
         ] = None,
+        topology: Annotated[
+            str,
+            typer.Option(
+                help="'gpu-node' (default: the model computes on cores of its own, in vLLM's worker process, "
+                "while the client, the scheduler and the connector's threads run on the rest, as host and "
+                "accelerator divide the work on a GPU node) or 'shared' (every thread on every core)."
+            ),
+        ] = "gpu-node",
         model: Annotated[
             str | None, typer.Option(help="Model path or name (default: the packaged tiny dummy Llama).")
         ] = None,
@@ -178,6 +186,7 @@ def register(app: typer.Typer) -> None:
         from kvprefetch.bench.modes import MODES, TWO_INSTANCE_MODES
         from kvprefetch.bench.regime import parse_regime
         from kvprefetch.bench.runner import QUICK_CONCURRENCY, BenchOptions
+        from kvprefetch.bench.topology import TOPOLOGIES
         from kvprefetch.bench.workloads import ChatBench, TraceBench
         from kvprefetch.cli import parse_size
 
@@ -199,10 +208,12 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(str(err)) from None
         if workload not in ("context", "chat"):
             raise typer.BadParameter(f"--workload is 'context' or 'chat', got {workload!r}")
+        if topology not in TOPOLOGIES:
+            raise typer.BadParameter(f"--topology is {' or '.join(map(repr, TOPOLOGIES))}, got {topology!r}")
         opts = BenchOptions(regime=first, sweep=sweep, model=model, engine_args=parse_engine_args(engine_arg or []),
                             quick=quick, chunk_tokens=chunk_tokens, cache_dir=cache_dir, keep_cache=keep_cache,
                             step_log=step_log, cell_timeout_s=cell_timeout, remote_backend=remote_backend,
-                            repeats=repeats or (1 if quick else 3))  # fmt: skip
+                            repeats=repeats or (1 if quick else 3), topology=topology)  # fmt: skip
         if workload == "chat" or no_reuse or trace is not None or scenario == "two-instance":
             opts.chat, opts.max_num_seqs = ChatBench(), None
         if modes:

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import numpy as np
 from kvprefetch.bench.sessions import SessionSchedule
 
 MARK = "@@KVB "
+_ENGINE: Any = None  # set in main; with vLLM's multiprocess executor its workers are other processes
 
 
 def _reply(obj: Any) -> None:
@@ -85,17 +87,15 @@ def _live_connectors() -> list:
     return live_connectors()
 
 
-def counters_snapshot() -> dict:
-    """The connector's counters (scheduler + worker sides) and the stores' I/O stats, plus /proc/self/io."""
+def _local_snapshot(_worker: Any = None) -> dict:
+    """This process's connectors' counters and their stores' I/O stats, plus /proc/self/io (called in every
+    worker process too, through `collective_rpc`; `_worker` is vLLM's worker object, unused)."""
     snap: dict[str, Any] = {"counters": {}, "store": {}, "io": {}, "proc": _proc_io()}
     conns = _live_connectors()
     if conns:
         from kvprefetch.vllm.metrics import snapshot_all
 
         snap["counters"] = snapshot_all()
-    sched = _scheduler_connector()
-    if sched is not None:
-        snap["ranks"] = {str(r): v for r, v in (sched.rank_stats() or {}).items()}  # per tensor-parallel rank
     for c in conns:
         store = getattr(c, "store", None)
         if store is None:
@@ -113,6 +113,43 @@ def counters_snapshot() -> dict:
                 snap["peak_disk_reads_in_flight"] = max(snap.get("peak_disk_reads_in_flight", 0),
                                                         int(io.get("max_running", 0)))  # fmt: skip
     return snap
+
+
+def _merge_snapshots(snaps: list[dict]) -> dict:
+    out: dict[str, Any] = {"counters": {}, "store": {}, "io": {}, "proc": {}}
+    for snap in snaps:
+        for part in ("counters", "store", "proc"):
+            for k, v in snap.get(part, {}).items():
+                out[part][k] = out[part].get(k, 0) + v
+        for key, io in snap.get("io", {}).items():
+            agg = out["io"].setdefault(key, {})
+            for k, v in io.items():
+                agg[k] = agg.get(k, 0) + v
+        if "peak_disk_reads_in_flight" in snap:
+            out["peak_disk_reads_in_flight"] = max(out.get("peak_disk_reads_in_flight", 0),
+                                                   snap["peak_disk_reads_in_flight"])  # fmt: skip
+    return out
+
+
+def counters_snapshot() -> dict:
+    """The connector's counters (scheduler side here, worker sides wherever the workers run) and the stores' I/O
+    stats, summed over this process and the worker processes."""
+    snap = _merge_snapshots([_local_snapshot(), *_on_workers(_local_snapshot)])
+    sched = _scheduler_connector()
+    if sched is not None:
+        snap["ranks"] = {str(r): v for r, v in (sched.rank_stats() or {}).items()}  # per tensor-parallel rank
+    return snap
+
+
+def _on_workers(fn: Callable[[Any], Any]) -> list:
+    """fn run in every worker process (vLLM's multiprocess executor), or [] when the workers run here."""
+    if _ENGINE is None or not _remote_workers(_ENGINE):
+        return []
+    return list(_ENGINE.collective_rpc(fn))
+
+
+def _remote_workers(engine) -> bool:
+    return engine.vllm_config.parallel_config.distributed_executor_backend == "mp"
 
 
 def _scheduler_connector():
@@ -425,14 +462,26 @@ class CpuMeter:
     def __init__(self):
         self.t0 = time.monotonic()
         self.busy0 = _machine_busy_s()
-        self.own0 = _own_cpu_s()
+        self.own0 = _engine_cpu_s("own")
 
     def foreign_cores(self) -> float | None:
-        busy, own = _machine_busy_s(), _own_cpu_s()
+        busy, own = _machine_busy_s(), _engine_cpu_s("own")
         dt_s = time.monotonic() - self.t0
         if busy is None or own is None or self.busy0 is None or self.own0 is None or dt_s <= 0:
             return None
         return max(0.0, ((busy - self.busy0) - (own - self.own0)) / dt_s)
+
+
+def _local_cpu_s(_worker: Any = None) -> dict[str, float | None]:
+    """This process's CPU seconds (``own``) and its connector threads' (``helper``)."""
+    return {"own": _own_cpu_s(), "helper": _helper_cpu_s()}
+
+
+def _engine_cpu_s(kind: str) -> float | None:
+    """CPU seconds of one kind summed over this process and the worker processes (None if one is unknown)."""
+    parts = [_local_cpu_s(), *_on_workers(_local_cpu_s)]
+    vals = [p[kind] for p in parts]
+    return None if any(v is None for v in vals) else sum(vals)  # type: ignore[arg-type]
 
 
 def _machine_busy_s() -> float | None:
@@ -465,10 +514,10 @@ class HelperCpuMeter:
     """
 
     def __init__(self):
-        self.start = _helper_cpu_s()
+        self.start = _engine_cpu_s("helper")
 
     def seconds(self) -> float | None:
-        now = _helper_cpu_s()
+        now = _engine_cpu_s("helper")
         return None if now is None or self.start is None else round(max(0.0, now - self.start), 3)
 
 
@@ -691,24 +740,29 @@ def seed_remote(src: str) -> dict:
     return {"chunks": len(keys), "written": written, "seconds": time.perf_counter() - t}
 
 
-_ENGINE: Any = None  # set in main: with TP > 1 the workers (other processes) flush their own saves
-
-
 def _flush_here(_worker: Any = None) -> bool:
     return all(c.flush(timeout=300) for c in _live_connectors())
 
 
 def flush_stores() -> bool:
     """Until every save started so far is in the store and written back, in this process and every worker."""
-    ok = _flush_here()
-    if _ENGINE is not None and _tp_size() > 1:
-        ok = all(_ENGINE.collective_rpc(_flush_here)) and ok
-    return ok
+    return all(_on_workers(_flush_here)) and _flush_here()
 
 
-def _tp_size() -> int:
-    c = _scheduler_connector()
-    return c.namespace.tp_size if c is not None else 1
+def place(spec: dict, tp: int) -> dict:
+    """A GPU node's division of labour on a CPU machine (`spec["topology"]`: ``model_cpus``, ``host_cpus``):
+    the model's forward in vLLM's worker process(es) with their OpenMP threads bound to the model's cores (the
+    "accelerator"), while this process (the client, the scheduler and its connector) and the connector threads
+    of every process (``io.cpus``, set by the bench) run on the host cores. The workers are vLLM's multiprocess
+    executor's, as in a `vllm serve` deployment, so the model does not share this process's interpreter lock."""
+    from kvprefetch.vllm.cpu import OMP_BIND, omp_threads_bind
+
+    topo = spec["topology"]
+    os.sched_setaffinity(0, set(topo["host_cpus"]))  # threads started from here on inherit it
+    os.environ[OMP_BIND] = omp_threads_bind(tp, list(topo["model_cpus"]))
+    args = dict(spec.get("engine_args") or {})
+    args.setdefault("distributed_executor_backend", "mp")
+    return spec | {"engine_args": args}
 
 
 def main() -> None:
@@ -716,9 +770,13 @@ def main() -> None:
     _join_cgroup(spec.get("cgroup"))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.update(spec.get("env") or {})
-    from kvprefetch.vllm.cpu import tp_cpu_env
+    tp = int((spec.get("engine_args") or {}).get("tensor_parallel_size", 1))
+    if spec.get("topology"):
+        spec = place(spec, tp)
+    else:
+        from kvprefetch.vllm.cpu import tp_cpu_env
 
-    os.environ.update(tp_cpu_env(int((spec.get("engine_args") or {}).get("tensor_parallel_size", 1))))
+        os.environ.update(tp_cpu_env(tp))
     global _ENGINE
     try:
         engine = _ENGINE = build_engine(spec)

@@ -115,6 +115,7 @@ class StoreSizing:
     dram_bytes: int
     disk_bytes: int
     io_threads: int = 4
+    io_cpus: list[int] | None = None  # the connector's threads' cores (kvprefetch.bench.topology)
     read_rate_limit_bps: int | None = None  # the fallback throttle (no kernel throttle available)
     prefill_tps_prior: float | None = None
     disk_bps_prior: float | None = None
@@ -132,6 +133,8 @@ def kvprefetch_extra(sizing: StoreSizing, disk_dir: Path, pool: str, *, prefetch
         "io": {"threads": 1 if serial else sizing.io_threads},
         "log_interval_s": 0,
     }
+    if sizing.io_cpus:
+        extra["io"]["cpus"] = list(sizing.io_cpus)
     if sizing.read_rate_limit_bps:
         extra["io"]["read_rate_limit_bps"] = int(sizing.read_rate_limit_bps)
     if sizing.prefill_tps_prior:

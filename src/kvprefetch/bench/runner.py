@@ -50,6 +50,7 @@ from kvprefetch.bench.regime import DEFAULT_REGIME, make_throttle, measured_regi
 from kvprefetch.bench.rounds import aggregate
 from kvprefetch.bench.sessions import SessionSchedule
 from kvprefetch.bench.stats import cell_metrics
+from kvprefetch.bench.topology import TopologyKind, plan_topology
 from kvprefetch.bench.workloads import (
     CONTEXT,
     CONTEXT_MAX_NUM_SEQS,
@@ -98,6 +99,7 @@ class BenchOptions:
     calibrate_modes: bool = True  # measure each simulated mode's engine too, after its cells (~15 s each)
     remote_backend: str = "redis"  # the prefetch-remote mode's server: redis or mooncake
     repeats: int = 3  # rounds of every cell, modes interleaved within a round (kvprefetch.bench.rounds)
+    topology: TopologyKind = "gpu-node"  # where the engines' threads run (kvprefetch.bench.topology)
 
 
 @dataclass
@@ -291,6 +293,7 @@ class Bench:
             "kv_transfer_config": kv_transfer,
             "cgroup": cgroup,
             "env": env or {},
+            "topology": self.topology.spec(),
         }
         return spec
 
@@ -313,6 +316,8 @@ class Bench:
         self.model = resolve_model(o.model, o.engine_args)
         self.max_num_seqs = int(o.engine_args.get("max_num_seqs") or o.max_num_seqs or max(o.concurrency))
         self.cuda = self.model.device == "cuda"
+        tp = int(o.engine_args.get("tensor_parallel_size") or 1)
+        self.topology = plan_topology(o.topology if not self.cuda else "shared", tp)
         self.workload = build_workload(o, self.model.vocab_size, self.model.bytes_per_token)
         w = self.workload
         chunk = o.chunk_tokens
@@ -358,6 +363,7 @@ class Bench:
                 dram_bytes=int(o.dram_bytes or dram_default),
                 disk_bytes=int(max(4 * (prelude_chunks_est + 64) * chunk_bytes_est, 1 << 30)),
                 io_threads=o.io_threads,
+                io_cpus=self.topology.io_cpus(),
             )
             pool = f"kvb-{self.run_id}-populate"
             extra = kvprefetch_extra(self.sizing, populated, pool, prefetch=True) | {"load_policy": "always"}
@@ -481,6 +487,7 @@ class Bench:
                 "dram_tier_bytes": self.sizing.dram_bytes,
                 "disk_dir": str(self.work),
                 "io_threads": o.io_threads,
+                "topology": self.topology.to_json(),
             },
             "workload": w.declared
             | reuse

@@ -13,11 +13,12 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import CancelledError, Future
 from enum import IntEnum
 from typing import Any
 
+from kvprefetch.io.affinity import pin_thread
 from kvprefetch.io.stats import IOStats
 from kvprefetch.io.throttle import RateLimiter
 
@@ -73,7 +74,7 @@ class IOTicket:
 class IOEngine:
     """Priority thread pool for tier I/O, with read deduplication, cancellation, throttles and stats."""
 
-    def __init__(self, threads: int = 4, name: str = "kvprefetch-io"):
+    def __init__(self, threads: int = 4, name: str = "kvprefetch-io", cpus: Collection[int] | None = None):
         self.stats = IOStats()
         self._limits: dict[str, RateLimiter] = {}
         self._cv = threading.Condition()
@@ -81,6 +82,7 @@ class IOEngine:
         self._seq = itertools.count()
         self._inflight: dict[Any, _Op] = {}
         self._closed = False
+        self._cpus = tuple(cpus) if cpus else None
         self._threads = [threading.Thread(target=self._worker, name=f"{name}-{i}", daemon=True) for i in range(threads)]
         for t in self._threads:
             t.start()
@@ -185,6 +187,7 @@ class IOEngine:
                 self._cv.wait()
 
     def _worker(self) -> None:
+        pin_thread(self._cpus)
         while (op := self._next()) is not None:
             if not op.future.set_running_or_notify_cancel():
                 continue

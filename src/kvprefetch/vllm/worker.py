@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvprefetch.io.affinity import pin_thread, pinned_initializer
 from kvprefetch.vllm.layout import ChunkGeometry, PagedKV, chunk_tensor
 from kvprefetch.vllm.metadata import KVPrefetchMetadata, KVPrefetchWorkerMeta, LoadJob, SaveJob
 from kvprefetch.vllm.metrics import ConnectorCounters
@@ -131,7 +132,11 @@ class _LayerwiseLoad:
         self.exc: BaseException | None = None
         self.chunks = 0
         self.copy_seconds = 0.0
-        self.thread = threading.Thread(target=self._run, name="kvprefetch-load", daemon=True)
+        self.thread = threading.Thread(target=self._pinned_run, name="kvprefetch-load", daemon=True)
+
+    def _pinned_run(self) -> None:
+        pin_thread(self.loader.store.config.io.cpus)
+        self._run()
 
     def start(self, background: bool) -> None:
         if background:
@@ -205,7 +210,8 @@ class Loader(_RankPart):
         self.load_stage = _Staging(self.geo.chunk_bytes, pin)
         self._aload_stage = _Staging(self.geo.chunk_bytes, pin)
         self._sync: _LayerwiseLoad | None = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvprefetch-aload")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvprefetch-aload",
+                                        initializer=pinned_initializer(self.store.config.io.cpus))
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._inflight = 0
@@ -390,7 +396,8 @@ class Saver(_RankPart):
     def __init__(self, part: _RankPart, pin: bool):
         super().__init__(*part.shares())
         self._stage = _Staging(self.geo.chunk_bytes, pin)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvprefetch-save")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvprefetch-save",
+                                        initializer=pinned_initializer(self.store.config.io.cpus))
         self._lock = threading.Lock()
         self._by_req: dict[str, set[int]] = {}
         self._futs: dict[int, Future] = {}
