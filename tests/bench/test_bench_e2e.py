@@ -45,6 +45,15 @@ def test_modes_in_two_interleaved_rounds_end_to_end(tmp_path):
         assert r["status"] == "ok", r
         assert r["errors"] == 0 and r["completed"] == r["requests"] == 6 and r["repeats"] == 2
         assert r["ttft_p50_s_min"] <= r["ttft_p50_s"] <= r["ttft_p50_s_max"] and r["output_tok_s"] > 0
+    # a GPU node's division of labour (any machine with 2 cores or more): the model's forward in vLLM's worker
+    # process on its own cores, every connector thread (here and in the worker) on the others
+    topo = results["config"]["topology"]
+    if topo["kind"] == "gpu-node":
+        host, model, seen = set(topo["host_cpus"]), set(topo["model_cpus"]), topo["observed"]
+        assert seen["workers"] and all(set(w["threads"]["main"]) <= model for w in seen["workers"]), seen
+        conn = [cpus for proc in [seen["engine"], *seen["workers"]] for name, cpus in proc["threads"].items()
+                if name.startswith("kvprefetch")]  # fmt: skip
+        assert conn and all(set(cpus) <= host for cpus in conn), seen
     # the rounds interleave the modes: round 0 of every mode before round 1 of any
     assert [(x["round"], x["mode"]) for x in results["runs"]] == [
         (k, m) for k in (0, 1) for m in ("recompute", "ondemand-serial", "prefetch")]

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -32,6 +33,7 @@ class EngineProcess:
             stderr=self._log,
             text=True,
             env=env,
+            start_new_session=True,  # its own process group: its vLLM workers end with it (`_end_group`)
         )
         self._q: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -102,7 +104,14 @@ class EngineProcess:
         """End the engine now (SIGKILL), as when this process is interrupted: no graceful exit to wait for."""
         self.proc.kill()
         self.proc.wait()
+        self._end_group()
         self._log.close()
+
+    def _end_group(self) -> None:
+        """SIGKILL whatever the engine started and left behind (vLLM's worker processes, which otherwise notice
+        their parent's end only later, holding the model's memory and cores meanwhile)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -113,4 +122,5 @@ class EngineProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._end_group()
         self._log.close()

@@ -117,6 +117,19 @@ SPEED = {"lower": "faster", "higher": "slower"}  # a TTFT ratio's verdict, said 
 BASELINES = ("ondemand-serial", "ondemand-sync", "ondemand", "dram", "recompute", "vllm-example", "lmcache")
 
 
+def _regime_verdict(reg: dict) -> str:
+    """' Not obtained: ...' when the measured regime is more than 25% off the one asked (the disk could not
+    go as fast as the throttle allowed, or the throttle did not hold), else ''."""
+    asked, measured = reg.get("asked"), reg.get("measured")
+    if not isinstance(asked, (int, float)) or not measured or abs(measured / asked - 1) <= 0.25:
+        return ""
+    why = ""
+    native, target = reg.get("native_read_bps"), reg.get("target_read_bps")
+    if native and target and target > native:
+        why = f": the throttle target exceeds what the disk read natively ({native / 1e6:,.0f} MB/s)"
+    return f" **Regime not obtained** (asked R = {asked}){why}; the goals are judged in the regime measured."
+
+
 def comparisons(rows: list[dict]) -> list[dict]:
     """Per concurrency: prefetch against each baseline, paired round by round (`kvprefetch.bench.rounds`):
     TTFT p50 and throughput change (median of the rounds' ratios, with their range and verdict), speed-up."""
@@ -268,7 +281,10 @@ def markdown_report(results: dict) -> str:
         lines.append(f"- Throttle target {reg['target_read_bps'] / 1e6:,.1f} MB/s.")
     if reg.get("read_bps"):
         lines.append(f"- **Measured regime R = {reg.get('measured') or 0:.1f}** "
-                     f"(reads at {reg['read_bps'] / 1e6:,.1f} MB/s).")  # fmt: skip
+                     f"(reads at {reg['read_bps'] / 1e6:,.1f} MB/s).{_regime_verdict(reg)}")  # fmt: skip
+    topo = cfg.get("topology") or {}
+    if topo.get("sentence"):
+        lines.append(f"- Where the engines run: {topo['sentence']}.")
     lines += ["", "## Results", ""]
     regimes = regimes_of(rows)
     for g in regimes:
@@ -279,7 +295,8 @@ def markdown_report(results: dict) -> str:
               "connector (disk: chunks read from disk during the cell), the rest is computed. `pf ok` / `late`: "
               "requests whose prefetch had / had not finished when the scheduler reached them; `wasted`: prefetch "
               "reads cancelled because their request ended first. `conn CPU s`: CPU seconds the connector's own "
-              "threads took (loads, saves, disk I/O; on a CPU engine, time the model did not get). `other CPU`: "
+              "threads took (loads, saves, disk I/O; on the host cores with the gpu-node topology, else time the model "
+              "did not get). `other CPU`: "
               "cores other processes kept busy during the cell (this machine is shared; timings with a large value "
               "are disturbed).", ""]  # fmt: skip
     lines += _rank_lines(rows)

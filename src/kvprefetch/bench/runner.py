@@ -71,7 +71,11 @@ DEFAULT_MODES = ["recompute", "ondemand-serial", "ondemand-sync", "ondemand", "p
 DEFAULT_CONCURRENCY = [1, 8, 16, 32]
 QUICK_CONCURRENCY = [2, 8]
 SPEC_KEYS = ("load_format", "dtype", "max_num_seqs")  # engine args the spec sets itself
-CALIBRATE_EST_S = 15.0  # one engine's calibration (engine_proc.calibrate), for the progress bar's ETA
+ENGINE_SETTLE_S = 1.5
+"""Pause before a cell with the gpu-node topology: vLLM's shared-memory queues between an engine and its worker
+busy-poll for 1 s after their last message, so the engine that ran the previous cell keeps the model's cores
+busy that long (a deployment runs one engine per accelerator and never sees it)."""
+CALIBRATE_EST_S = 15.0  # one engine's calibration (probes.calibrate), for the progress bar's ETA
 
 
 @dataclass
@@ -392,6 +396,7 @@ class Bench:
                     self.notes.append(f"prelude: {prelude['errors']} requests failed ({prelude['error_samples']})")
                 self.p.update("measuring disk reads", w.prelude_tokens() / est_tps)
                 counters = eng.call("counters")
+                placement = eng.call("placement")
                 geometry = eng.call("geometry")
                 geo_chunk_bytes = int(geometry.get("chunk_bytes") or chunk_bytes_est)
                 self.engine_block_tokens = geometry.get("block_size")
@@ -487,7 +492,7 @@ class Bench:
                 "dram_tier_bytes": self.sizing.dram_bytes,
                 "disk_dir": str(self.work),
                 "io_threads": o.io_threads,
-                "topology": self.topology.to_json(),
+                "topology": self.topology.to_json() | {"observed": placement},
             },
             "workload": w.declared
             | reuse
@@ -623,6 +628,8 @@ class Bench:
         if me.mode in CONNECTOR_MODES and me.mode != "dram":
             me.eng.call("cool_dram")
         tag = f"{me.mode}-c{c}" + (f"-r{round_}" if o.repeats > 1 else "")
+        if self.topology.kind == "gpu-node":
+            time.sleep(ENGINE_SETTLE_S)  # the other engines' workers stop polling the model's cores
         res = me.eng.call("run", file=self.wfile, level=c, concurrency=c, tag=tag, timeout_s=o.cell_timeout_s,
                           timeout=o.cell_timeout_s + 300, record_steps=o.step_log)  # fmt: skip
         steps = res.pop("steps", None)
