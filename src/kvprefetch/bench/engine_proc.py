@@ -533,6 +533,8 @@ def op_run(child: EngineChild, cmd: dict) -> dict:
     """One level (or the prelude) of the workload file, with the counters and CPU meters around it."""
     w = child.workload(cmd["file"])
     sessions = w["prelude"] if cmd["level"] == "prelude" else w["levels"][str(cmd["level"])]
+    if cmd.get("salt"):
+        sessions = salted(sessions, int(cmd["salt"]), child.engine.model_config.get_vocab_size())
     before = child.snapshot()
     cpu, helpers = CpuMeter(child.cpu_s), HelperCpuMeter(child.cpu_s)
     res = child.driver.run(sessions, int(cmd["concurrency"]), float(cmd.get("timeout_s", 1800)),
@@ -543,6 +545,17 @@ def op_run(child: EngineChild, cmd: dict) -> dict:
     res["helper_cpu_s"] = helpers.seconds()  # after the flush: the write-back is theirs too
     res["before"], res["after"] = before, child.snapshot()
     return res
+
+
+def salted(sessions: list[dict], salt: int, vocab: int) -> list[dict]:
+    """The sessions with every turn's first token changed by `salt`: prompts nothing has seen (a workload with
+    no reuse, measured again in a later round, must not find what the earlier round saved)."""
+    out = []
+    for s in sessions:
+        turns = [t | {"tokens": [4 + (t["tokens"][0] - 4 + 7919 * salt) % (vocab - 4), *t["tokens"][1:]]}
+                 if t["tokens"] else t for t in s["turns"]]  # fmt: skip
+        out.append(s | {"turns": turns})
+    return out
 
 
 def op_serve(child: EngineChild, cmd: dict) -> dict:

@@ -630,8 +630,10 @@ class Bench:
         tag = f"{me.mode}-c{c}" + (f"-r{round_}" if o.repeats > 1 else "")
         if self.topology.kind == "gpu-node":
             time.sleep(ENGINE_SETTLE_S)  # the other engines' workers stop polling the model's cores
+        fresh = not self.workload.declared.get("reuse", True)  # each round's prompts new to every tier
         res = me.eng.call("run", file=self.wfile, level=c, concurrency=c, tag=tag, timeout_s=o.cell_timeout_s,
-                          timeout=o.cell_timeout_s + 300, record_steps=o.step_log)  # fmt: skip
+                          timeout=o.cell_timeout_s + 300, record_steps=o.step_log,
+                          salt=round_ if fresh else 0)  # fmt: skip
         steps = res.pop("steps", None)
         if round_ == 0:  # the step check replays one round per cell
             self._write_steps(f"{me.mode}-c{c}", steps)
