@@ -26,7 +26,7 @@ def bench_preamble(
     """What `kvprefetch bench --trace` prints before it starts anything: a length-scale correction, if one is
     needed, and the trace's analysis. Raises ValueError (a scale it cannot correct, a bad rule, a bad trace)
     or OSError (no such file)."""
-    from kvprefetch.bench.workloads import find_trace
+    from kvprefetch.workload.replay import find_trace
     from kvprefetch.workload.sampling import SampleRule, fit_block_tokens
 
     _, note = fit_block_tokens(length_scale, chunk_tokens)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvprefetch.bench.runner import BenchOptions
-from kvprefetch.bench.workloads import ChatBench
+from kvprefetch.workload.replay import ChatBench
 
 pytest.importorskip("vllm")
 

@@ -162,7 +162,7 @@ def test_merge_snapshots():
 
 
 def test_prelude_turns_keeps_later_turns_out_of_the_prelude():
-    from kvprefetch.bench.workloads import ChatBench, chat_workload
+    from kvprefetch.workload.replay import ChatBench, chat_workload
 
     spec = ChatBench(system_tokens=64, history_tokens=256, user_tokens=64, output_tokens=4, measured_turns=3,
                      min_sessions=2, sessions_per_concurrency=1.0)  # fmt: skip

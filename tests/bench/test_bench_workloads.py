@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvprefetch.bench.workloads import (
+from kvprefetch.workload.replay import (
     BenchWorkload,
     ChatBench,
     TraceBench,

@@ -6,7 +6,7 @@ import pytest
 
 from kvprefetch.bench.regime import DEFAULT_REGIME, whitepaper_r2
 from kvprefetch.bench.runner import BenchOptions
-from kvprefetch.bench.workloads import CONTEXT, CONTEXT_MAX_NUM_SEQS, chat_workload, reuse_summary
+from kvprefetch.workload.replay import CONTEXT, CONTEXT_MAX_NUM_SEQS, chat_workload, reuse_summary
 
 
 def test_default_regime_is_r2s_derived_r():

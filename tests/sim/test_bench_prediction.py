@@ -9,8 +9,8 @@ import pytest
 from tests.clitext import flat
 from typer.testing import CliRunner
 
-from kvprefetch.bench.workloads import ChatBench, chat_workload
 from kvprefetch.cli import app
+from kvprefetch.results import PreludeCounters
 from kvprefetch.sim.calibration import (
     Calibration,
     calibration_from_results,
@@ -22,6 +22,7 @@ from kvprefetch.sim.calibration import (
     rebuild_workload,
     request_overhead,
 )
+from kvprefetch.workload.replay import ChatBench, chat_workload
 
 CAL = Calibration(
     prefill_tokens_per_s=11000.0,
@@ -271,8 +272,9 @@ def test_sim_cli_bench_scenario_without_results_is_a_clear_error(tmp_path):
 
 def test_the_prelude_prices_the_connectors_cpu_per_byte_and_cache_modes_pay_it():
     prelude = {"helper_cpu_s": 0.9, "loaded_chunks": 200, "saved_chunks": 300, "bytes_disk_written": 300 << 20}
-    assert io_cpu_per_byte(prelude, 1 << 20) == pytest.approx(0.9 / (800 << 20))
-    assert io_cpu_per_byte({k: v for k, v in prelude.items() if k != "helper_cpu_s"}, 1 << 20) is None
+    assert io_cpu_per_byte(PreludeCounters(**prelude), 1 << 20) == pytest.approx(0.9 / (800 << 20))
+    unmeasured = PreludeCounters(**{k: v for k, v in prelude.items() if k != "helper_cpu_s"})
+    assert io_cpu_per_byte(unmeasured, 1 << 20) is None
     results = _results()
     plain = {(r["mode"], r["concurrency"]): r["predicted"] for r in predict_bench(results)}
     results["populate"]["prelude"] = prelude
@@ -322,3 +324,17 @@ def test_sim_cli_this_cpu_without_a_usable_calibration_is_a_clear_error(tmp_path
     paths = {"good": tmp_path / "good.json", "bad": tmp_path / "bad.json", "missing": tmp_path / "none.json"}
     code, text = _plan(*[a.format(**paths) for a in args], "--concurrency", "1")
     assert code != 0 and message in text
+
+
+def test_the_results_schema_reads_older_runs_and_refuses_newer_ones():
+    """A results.json without the schema key (older runs) reads as version 1; one from a newer schema is refused
+    with the versions named, not misread."""
+    from kvprefetch.results import SCHEMA_KEY, SCHEMA_VERSION, BenchResults
+
+    results = _results()
+    results.pop(SCHEMA_KEY, None)
+    typed = BenchResults.from_json(results)
+    assert typed.version == 1
+    assert typed.config.topology.kind == "shared"  # runs before topologies computed on every core
+    with pytest.raises(ValueError, match=f"reads up to {SCHEMA_VERSION}"):
+        BenchResults.from_json(results | {SCHEMA_KEY: SCHEMA_VERSION + 1})

@@ -11,11 +11,11 @@ from tests.clitext import flat
 from typer.testing import CliRunner
 
 from kvprefetch.bench.report import trace_reuse_lines
-from kvprefetch.bench.workloads import KV_MARGIN, TraceBench, apply_utilisation, reuse_summary, trace_workload
 from kvprefetch.cli import app
 from kvprefetch.workload import ChatWorkload, generate_chat, read_mooncake_trace
 from kvprefetch.workload.analysis import analyse, ideal_hits, prefix_groups
 from kvprefetch.workload.prefix_cache import prefix_hits
+from kvprefetch.workload.replay import KV_MARGIN, TraceBench, apply_utilisation, reuse_summary, trace_workload
 from kvprefetch.workload.sampling import LevelNeed, SampleRule, fit_block_tokens, sample_conversations, spaced_order
 
 # 150 conversations of 1-6 turns sharing a 3-block system prompt, starting over ~25 minutes, minutes between turns

@@ -7,25 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-MODES: dict[str, str] = {
-    "recompute": "vLLM alone: its own prefix cache (same engine KV size as the others), no external KV",
-    "ondemand": "kvprefetch, prefetch off: reads start when the scheduler reaches the request (async load)",
-    "ondemand-sync": "kvprefetch, prefetch off, loads block the engine step, parallel reads",
-    "ondemand-serial": "kvprefetch, prefetch off, loads block the engine step, one read in flight (LMCache's "
-    "default behaviour: the whitepaper's baseline)",
-    "prefetch": "kvprefetch, prefetch on arrival, load_mode auto (a late prefetch finishes in the step when that "
-    "costs the batch less than parking the request)",
-    "dram": "kvprefetch with every reusable chunk already in DRAM (the bound perfect prefetch approaches)",
-    "vllm-example": "vLLM's built-in ExampleConnector on the same disk (what a user gets without us)",
-    "lmcache": "LMCache's vLLM connector (CPU + local disk), CUDA machines where lmcache is installed",
-    # opt-in (not in the default run)
-    "prefetch-remote": "kvprefetch, prefetch on; the prelude's KV in a remote tier (Redis or Mooncake on "
-    "loopback), the engine's own disk tier empty",
-    "shared-2x": "two engines at once, turns alternating between them, one node-local cache (same DRAM pool, "
-    "same disk tier), prefetch on",
-    "private-2x": "two engines at once, turns alternating between them, a cache each (own DRAM pool and disk "
-    "tier, both starting from the prelude), prefetch on",
-}
+from kvprefetch.modes import MODE
+
+MODES: dict[str, str] = {name: m.description for name, m in MODE.items()}
+"""Every mode the bench knows, by name (`kvprefetch.modes` defines them)."""
 
 KNOWN_PEER_FAILURES: dict[str, tuple[str, str]] = {
     "vllm-example": (
@@ -44,13 +29,13 @@ def known_failure(mode: str, reason: str | None) -> str | None:
     return known[1] if known and reason and known[0] in reason else None
 
 
-TWO_INSTANCE_MODES = ("shared-2x", "private-2x")
-PEER_MODES = ("vllm-example", "lmcache")  # other projects' connectors, each with a store of its own
-REMOTE_MODES = ("prefetch-remote",)
+TWO_INSTANCE_MODES = tuple(n for n, m in MODE.items() if m.two_instance)
+PEER_MODES = tuple(n for n, m in MODE.items() if m.peer)  # other projects' connectors, each with a store of its own
+REMOTE_MODES = tuple(n for n, m in MODE.items() if m.remote)
 
-CONNECTOR_MODES = ("ondemand", "ondemand-sync", "ondemand-serial", "prefetch", "dram")
-SYNC_MODES = ("ondemand-sync", "ondemand-serial")  # loads inside the engine step
-SERIAL_READS = ("ondemand-serial",)  # one read in flight: io.threads = 1
+CONNECTOR_MODES = tuple(n for n, m in MODE.items() if m.connector and not (m.two_instance or m.remote))
+SYNC_MODES = tuple(n for n, m in MODE.items() if m.load_mode == "sync")  # loads inside the engine step
+SERIAL_READS = tuple(n for n, m in MODE.items() if m.serial)  # one read in flight: io.threads = 1
 
 
 def connector_has_setting(name: str) -> bool:
@@ -167,10 +152,9 @@ def kv_transfer_config(mode: str, sizing: StoreSizing, disk_dir: Path, pool: str
             "kv_connector_extra_config": extra,
         }
     if mode in CONNECTOR_MODES:
-        extra = kvprefetch_extra(
-            sizing, disk_dir, pool, prefetch=mode in ("prefetch", "dram"), sync=mode in SYNC_MODES,
-            serial=mode in SERIAL_READS,
-        )
+        m = MODE[mode]
+        extra = kvprefetch_extra(sizing, disk_dir, pool, prefetch=m.prefetch, sync=m.load_mode == "sync",
+                                 serial=m.serial)  # fmt: skip
         return {
             "kv_connector": "KVPrefetchConnector",
             "kv_connector_module_path": "kvprefetch.vllm",

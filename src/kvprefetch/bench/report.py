@@ -9,7 +9,6 @@ from typing import Any
 from kvprefetch.bench.modes import known_failure
 from kvprefetch.bench.rounds import paired
 from kvprefetch.bench.stats import ratio
-from kvprefetch.sim.calibration import engine_calibrations
 
 WHITEPAPER = {
     "ttft_vs_no_prefetch": "-26% to -32% TTFT p50 (R2, concurrency 8-32)",
@@ -400,9 +399,16 @@ def _replay_vs_vllm(prediction: dict, key: str) -> str:
     return "-" if got is None or want is None else f"{got} / {want}"
 
 
+def _engine_calibrations(results: dict) -> dict[str, dict]:
+    """Every engine's calibration, by engine, as `BenchResults.engine_calibrations` reads them; from the results
+    dict itself, since a report also shows partial runs, which the schema does not accept."""
+    first = (results.get("populate") or {}).get("calibration") or {}
+    return {"populate": first, **(results.get("mode_calibrations") or {})}
+
+
 def _calibration_lines(results: dict) -> list[str]:
     """Each engine's calibrated speeds, and the medians the replay takes: how noisy one engine's would have been."""
-    engines = engine_calibrations(results)
+    engines = _engine_calibrations(results)
     if len(engines) < 2:
         return []
     pooled = {"**median (the replay's)**": results.get("calibration") or {}}

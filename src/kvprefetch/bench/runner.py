@@ -51,7 +51,8 @@ from kvprefetch.bench.rounds import aggregate
 from kvprefetch.bench.sessions import SessionSchedule
 from kvprefetch.bench.stats import cell_metrics
 from kvprefetch.bench.topology import TopologyKind, plan_topology
-from kvprefetch.bench.workloads import (
+from kvprefetch.modes import SIMULATED as BENCH_MODES
+from kvprefetch.workload.replay import (
     CONTEXT,
     CONTEXT_MAX_NUM_SEQS,
     BenchWorkload,
@@ -63,7 +64,6 @@ from kvprefetch.bench.workloads import (
     reuse_summary,
     trace_workload,
 )
-from kvprefetch.sim.calibration import BENCH_MODES
 
 PACKAGED_MODEL = Path(__file__).with_name("models") / "tiny-llama"
 DEFAULT_MODES = ["recompute", "ondemand-serial", "ondemand-sync", "ondemand", "prefetch", "dram", "vllm-example",

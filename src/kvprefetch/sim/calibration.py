@@ -24,24 +24,22 @@ from pathlib import Path
 import numpy as np
 
 from kvprefetch.keys import ChunkKeyer, KVNamespace
+from kvprefetch.modes import SIMULATED
+from kvprefetch.results import BenchResults, PreludeCounters
 from kvprefetch.sim.catalog import MODELS, Accelerator
 from kvprefetch.sim.costs import Deployment
 from kvprefetch.sim.engine import SimConfig, Simulator
 from kvprefetch.sim.policy import Policy
 from kvprefetch.sim.result import SimResult
 from kvprefetch.sim.tiers import TierSpec
+from kvprefetch.workload.replay import BenchWorkload, Session, workload_from_declared
 from kvprefetch.workload.request import Request, TokenRecipe
 
 MEASURED_DISK_LATENCY_S = 1e-4
 """The bench measures its disk tier's read rate, not its latency: a local disk's (estimate)."""
 
-BENCH_MODES: dict[str, Policy] = {
-    "recompute": Policy.RECOMPUTE,
-    "ondemand": Policy.ONDEMAND,
-    "ondemand-sync": Policy.ONDEMAND_SYNC,
-    "prefetch": Policy.PREFETCH,
-    "dram": Policy.DRAM,
-}
+BENCH_MODES: dict[str, Policy] = {mode: Policy(policy) for mode, policy in SIMULATED.items()}
+"""The bench modes the replay predicts, each as the policy that models it (`kvprefetch.modes`)."""
 
 
 @dataclass(frozen=True)
@@ -200,7 +198,7 @@ def chunk_ids(tokens: list[int], chunk_tokens: int) -> tuple[int, ...]:
 _REPLAY_NAMESPACE = KVNamespace(model="bench-replay", num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32")
 
 
-def level_requests(sessions: list, chunk_tokens: int) -> list[Request]:
+def level_requests(sessions: list[Session], chunk_tokens: int) -> list[Request]:
     """One bench level's sessions (closed loop: session order, turns after their think time)."""
     recipe = TokenRecipe("session", 0, chunk_tokens)
     out = []
@@ -221,23 +219,18 @@ def level_requests(sessions: list, chunk_tokens: int) -> list[Request]:
     return out
 
 
-def rebuild_workload(results: dict):
-    """The run's BenchWorkload, regenerated from what it declared (the generators are deterministic)."""
-    from kvprefetch.bench.workloads import ChatBench, TraceBench, chat_workload, trace_workload
-
-    declared = results["workload"]
-    kind = declared.get("kind", "chat")
-    spec_cls, build = (ChatBench, chat_workload) if kind == "chat" else (TraceBench, trace_workload)
-    spec = spec_cls(**{f.name: declared[f.name] for f in dataclasses.fields(spec_cls) if f.name in declared})
-    return build(spec, list(results["config"]["concurrency"]), int(results["model"]["vocab_size"]))
+def rebuild_workload(results: BenchResults | dict) -> BenchWorkload:
+    """The run's workload, regenerated from what it declared (the generators are deterministic)."""
+    results = _typed(results)
+    return workload_from_declared(results.workload, results.config.concurrency, results.model.vocab_size)
 
 
-def io_cpu_per_byte(prelude: dict, chunk_bytes: int) -> float | None:
+def io_cpu_per_byte(prelude: PreludeCounters, chunk_bytes: int) -> float | None:
     """The connector threads' CPU seconds per byte they moved in the prelude run (the store's population,
     before any mode runs): chunks loaded into the engine and saved out of it, disk reads and writes."""
-    cpu = prelude.get("helper_cpu_s")
-    moved = (int(prelude.get("loaded_chunks") or 0) + int(prelude.get("saved_chunks") or 0)) * chunk_bytes
-    moved += int(prelude.get("bytes_disk_read") or 0) + int(prelude.get("bytes_disk_written") or 0)
+    cpu = prelude.helper_cpu_s
+    moved = (int(prelude.loaded_chunks or 0) + int(prelude.saved_chunks or 0)) * chunk_bytes
+    moved += int(prelude.bytes_disk_read or 0) + int(prelude.bytes_disk_written or 0)
     return cpu / moved if cpu is not None and moved > 0 else None
 
 
@@ -250,14 +243,6 @@ MEASURED_SPEEDS = (
     "decode_wide_step_s",
 )
 """The calibration's samples of the machine's speed (each one engine's fastest of its repeats)."""
-
-
-def engine_calibrations(results: dict) -> dict[str, dict]:
-    """Every engine's calibration in a run, by engine: the populating engine's ("populate"), before any mode ran,
-    then each simulated mode's engine's, measured after its cells (runs before these were recorded have only the
-    first)."""
-    first = results.get("populate", {}).get("calibration") or {}
-    return {"populate": first, **(results.get("mode_calibrations") or {})}
 
 
 def pooled_calibration(calibrations: list[dict]) -> dict:
@@ -284,19 +269,21 @@ def pooled_calibration(calibrations: list[dict]) -> dict:
     return pooled
 
 
-def calibration_from_results(results: dict) -> Calibration:
+def calibration_from_results(results: BenchResults | dict) -> Calibration:
     """The simulator's calibration of a bench run: its engines' measurements pooled (`pooled_calibration`), the
     disk rate the regime obtained, the engine's sizes, the connector's CPU per byte in the prelude."""
-    reg, cfg = results["regime"], results["config"]
-    populate = results.get("populate", {})
-    cal = pooled_calibration(list(engine_calibrations(results).values()))
+    results = _typed(results)
+    reg, cfg = results.regime, results.config
+    cal = pooled_calibration(list(results.engine_calibrations().values()))
+    if reg.read_bps is None:
+        raise ValueError("the run measured no disk read rate (regime.read_bps)")
     return Calibration(
-        prefill_tokens_per_s=float(cal.get("prefill_tokens_per_s") or reg["prefill_tokens_per_s"]),
-        decode_step_s=float(cal.get("decode_step_s") or reg["decode_step_s"]),
-        disk_read_gbps=float(reg["read_bps"]) / 1e9,
-        chunk_bytes=int(reg["chunk_bytes"]),
-        chunk_tokens=int(reg["chunk_tokens"]),
-        token_budget=int(cfg["max_num_batched_tokens"]),
+        prefill_tokens_per_s=float(cal.get("prefill_tokens_per_s") or reg.prefill_tokens_per_s),
+        decode_step_s=float(cal.get("decode_step_s") or reg.decode_step_s),
+        disk_read_gbps=float(reg.read_bps) / 1e9,
+        chunk_bytes=reg.chunk_bytes,
+        chunk_tokens=reg.chunk_tokens,
+        token_budget=cfg.max_num_batched_tokens,
         prompt_tokens=int(cal.get("prompt_tokens", 3541)),
         extend_tokens=cal.get("extend_tokens"),
         extend_offset=cal.get("extend_offset"),
@@ -310,19 +297,24 @@ def calibration_from_results(results: dict) -> Calibration:
         decode_wide_step_s=cal.get("decode_wide_step_s"),
         reload_s=cal.get("reload_s"),
         reload_tokens=cal.get("reload_tokens"),
-        engine_kv_tokens=cfg.get("engine_kv_cache_tokens"),
-        max_num_seqs=int(cfg.get("max_num_seqs", 256)),
-        dram_bytes=cfg.get("dram_tier_bytes"),
-        io_cpu_s_per_byte=io_cpu_per_byte(populate.get("prelude", {}), int(reg["chunk_bytes"])),
-        engine_block_tokens=cfg.get("engine_block_tokens"),
+        engine_kv_tokens=cfg.engine_kv_cache_tokens,
+        max_num_seqs=cfg.max_num_seqs,
+        dram_bytes=cfg.dram_tier_bytes,
+        io_cpu_s_per_byte=io_cpu_per_byte(results.populate.prelude, reg.chunk_bytes),
+        engine_block_tokens=cfg.engine_block_tokens,
         engines=int(cal["engines"]),
     )
+
+
+def _typed(results: BenchResults | dict) -> BenchResults:
+    """A run's results as the schema reads them (`kvprefetch.results`), from the parsed file or already typed."""
+    return results if isinstance(results, BenchResults) else BenchResults.from_json(results)
 
 
 def load_bench_calibration(path: str) -> Calibration:
     """'This CPU' and its disk as a `kvprefetch bench` run measured them (its results.json), for planning runs."""
     try:
-        return calibration_from_results(json.loads(Path(path).read_text()))
+        return calibration_from_results(BenchResults.load(path))
     except OSError as err:
         raise ValueError(f"cannot read the bench results {path}: {err.strerror or err}") from None
     except (ValueError, KeyError, TypeError) as err:
@@ -330,7 +322,7 @@ def load_bench_calibration(path: str) -> Calibration:
 
 
 def replay_cells(
-    cal: Calibration, workload, modes: list[str], concurrencies: list[int]
+    cal: Calibration, workload: BenchWorkload, modes: list[str], concurrencies: list[int]
 ) -> dict[tuple[str, int], SimResult]:
     """The replay of each (mode, concurrency) cell of the bench: its sessions on the calibrated engine.
 
@@ -376,29 +368,22 @@ def replay_cells(
     return out
 
 
-def measured_tokens(row: dict, share: str) -> int | None:
-    """Prompt tokens of a bench cell in one of its shares: `share_computed` (computed by the engine, not found
-    in its prefix cache or a tier) or `share_engine` (found in the engine's own prefix cache)."""
-    if row.get(share) is None or row.get("prompt_tokens") is None:
-        return None
-    return round(float(row[share]) * int(row["prompt_tokens"]))
-
-
-def predict_bench(results: dict) -> list[dict]:
+def predict_bench(results: BenchResults | dict) -> list[dict]:
     """Predicted vs measured TTFT p50 for every simulated mode and concurrency of one bench run, the prompt
     tokens the engine computed in each and those it found in its own prefix cache: equal ones mean the replay
     found in the engine's cache and the tiers what vLLM and the connector found."""
+    results = _typed(results)
     cal = calibration_from_results(results)
-    rows = [r for r in results["rows"] if r.get("status") == "ok" and r.get("ttft_p50_s") is not None]
-    modes = sorted({r["mode"] for r in rows} & set(BENCH_MODES))
-    levels = sorted({r["concurrency"] for r in rows})
+    rows = results.ok_rows()
+    modes = sorted({r.mode for r in rows} & set(BENCH_MODES))
+    levels = sorted({r.concurrency for r in rows})
     if not modes:
         return []
     replays = replay_cells(cal, rebuild_workload(results), modes, levels)
     out = []
     for (mode, c), replay in sorted(replays.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        row = next((r for r in rows if r["mode"] == mode and r["concurrency"] == c), {})
-        p, meas = replay.ttft_p(50), row.get("ttft_p50_s")
+        row = next((r for r in rows if r.mode == mode and r.concurrency == c), None)
+        p, meas = replay.ttft_p(50), row.ttft_p50_s if row else None
         out.append(
             {
                 "mode": mode,
@@ -407,9 +392,9 @@ def predict_bench(results: dict) -> list[dict]:
                 "measured": meas,
                 "error_pct": 100.0 * (p - meas) / meas if meas else None,
                 "computed_tokens_predicted": int(replay.tokens_from["computed"]),
-                "computed_tokens_measured": measured_tokens(row, "share_computed"),
+                "computed_tokens_measured": row.tokens(row.share_computed) if row else None,
                 "engine_cached_tokens_predicted": int(replay.tokens_from["hbm"]),
-                "engine_cached_tokens_measured": measured_tokens(row, "share_engine"),
+                "engine_cached_tokens_measured": row.tokens(row.share_engine) if row else None,
             }
         )
     return out

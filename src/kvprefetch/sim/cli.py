@@ -13,6 +13,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvprefetch.config import IOConfig
+from kvprefetch.results import BenchResults
 from kvprefetch.sim.calibration import load_bench_calibration
 from kvprefetch.sim.freeform import (
     DEFAULT_MODEL,
@@ -59,7 +60,7 @@ def _run_bench_scenario(results_paths: list[Path] | None, json_path: Path | None
     runs = []
     for path in results_paths:
         try:
-            runs.append(jsonlib.loads(path.read_text()))
+            runs.append(BenchResults.from_json(jsonlib.loads(path.read_text())))
         except ValueError as err:
             raise typer.BadParameter(f"{path} is not a usable kvprefetch bench results.json: {err!r}") from None
     try:
@@ -104,7 +105,7 @@ def _token_split(predictions: list[list[dict]]) -> list:
     return out
 
 
-def _print_calibration(runs: list[dict]) -> None:
+def _print_calibration(runs: list[BenchResults]) -> None:
     """Say how many engines each run's speeds are medians over, and what the replays charged the steps for the
     connector's copies (or that an older run could not tell)."""
     from kvprefetch.sim.calibration import calibration_from_results
@@ -120,7 +121,7 @@ def _print_calibration(runs: list[dict]) -> None:
     console.print(f"connector CPU per byte moved, charged to the steps: {each} ns/B (each run's prelude)")
 
 
-def _step_checks(results_paths: list[Path], runs: list[dict]) -> list:
+def _step_checks(results_paths: list[Path], runs: list[BenchResults]) -> list:
     """The step model on each run's recorded engine steps (`kvprefetch bench --step-log`), where there are any."""
     from kvprefetch.sim.report import print_rows, step_rows
     from kvprefetch.sim.stepcheck import check_run

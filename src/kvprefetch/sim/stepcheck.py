@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvprefetch.results import BenchResults
 from kvprefetch.sim.costs import Deployment
 
 STEP_FILE = re.compile(r"(?P<mode>.+)-c(?P<c>\d+)\.jsonl")
@@ -79,12 +80,14 @@ def read_steps(folder: Path) -> dict[tuple[str, int], list[dict]]:
     return dict(sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])))
 
 
-def check_run(results: dict, folder: Path) -> dict[tuple[str, int], dict]:
+def check_run(results: BenchResults | dict, folder: Path) -> dict[tuple[str, int], dict]:
     """The step check of every recorded cell of one bench run, priced on that run's own calibration."""
     from kvprefetch.sim.calibration import calibration_from_results, cpu_deployment
 
+    if not isinstance(results, BenchResults):
+        results = BenchResults.from_json(results)
     dep = cpu_deployment(calibration_from_results(results))
-    helper = {(r["mode"], r["concurrency"]): r.get("helper_cpu_s") for r in results.get("rows", [])}
+    helper = {(r.mode, r.concurrency): r.helper_cpu_s for r in results.rows}
     return {
         cell: check_cell(dep, records) | {"helper_cpu_s": helper.get(cell)}
         for cell, records in read_steps(folder).items()

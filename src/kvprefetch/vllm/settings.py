@@ -52,9 +52,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError
 
 from kvprefetch.config import ConfigError, StoreConfig, _explain
+from kvprefetch.modes import LoadMode
 
 LoadPolicy = Literal["auto", "always", "never"]
-LoadMode = Literal["async", "sync", "auto"]
 
 
 class ConnectorSettings(BaseModel):

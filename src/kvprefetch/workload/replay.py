@@ -1,4 +1,5 @@
-"""What `kvprefetch bench` replays: a cache-populating prelude and, per concurrency, sessions of turns.
+"""What `kvprefetch bench` replays, and `kvprefetch sim --scenario bench` after it: a cache-populating prelude and,
+per concurrency, sessions of turns. Both rebuild it from the knobs a run declares (`workload_from_declared`).
 
 Every mode replays exactly the same token ids. The store is populated once, before any mode runs, with the
 conversation history that a long-running deployment would already hold ("the conversations so far"); the
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -238,7 +239,7 @@ def find_trace(path: str | Path) -> Path:
     if p.exists():
         return p
     if not p.is_absolute():
-        repo = Path(__file__).resolve().parents[3]  # src/kvprefetch/bench/ -> the repository root
+        repo = Path(__file__).resolve().parents[3]  # src/kvprefetch/workload/ -> the repository root
         if (repo / p).exists():
             return repo / p
     raise FileNotFoundError(f"trace not found: {path}")
@@ -274,6 +275,15 @@ def trace_workload(spec: TraceBench, concurrencies: list[int], vocab_size: int) 
         "requests_per_level": {str(c): n for c, n in zip(concurrencies, map(_requests, sample.levels), strict=True)},
     }
     return BenchWorkload(f"trace:{path.name}", declared, prelude, levels)
+
+
+def workload_from_declared(declared: dict, concurrencies: list[int], vocab_size: int) -> BenchWorkload:
+    """A run's workload regenerated from what it declared (results.json's `workload`): the generators are
+    deterministic, so this is token for token what the run replayed."""
+    kind = declared.get("kind", "chat")
+    spec_cls, build = (ChatBench, chat_workload) if kind == "chat" else (TraceBench, trace_workload)
+    spec = spec_cls(**{f.name: declared[f.name] for f in fields(spec_cls) if f.name in declared})
+    return build(spec, list(concurrencies), vocab_size)
 
 
 def _conversation_sessions(c: int, convs: list[list], spec: TraceBench, vocab_size: int) -> list[Session]:

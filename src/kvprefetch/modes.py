@@ -1,0 +1,76 @@
+"""The serving modes, named once: what `kvprefetch bench` runs, how each sets up the connector, and which of the
+simulator's policies models it.
+
+The bench, the simulator's bench replay and the reports all speak of "modes" (`recompute`, `ondemand-sync`,
+`prefetch`, ...); the connector speaks of its settings (`prefetch`, `load_mode`, `io.threads`) and the simulator
+of its policies. Each mode below says all three, so the words cannot drift apart. The module sits below every
+layer that names a mode and imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+LoadMode = Literal["async", "sync", "auto"]
+"""The connector's `load_mode` (`kvprefetch.vllm.settings`): how a request's loads still below DRAM finish when
+the scheduler reaches it."""
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One bench mode.
+
+    connector: the engine runs kvprefetch's connector (else vLLM alone or a peer's connector).
+    prefetch / load_mode / serial: the connector's settings (`serial`: one read in flight, `io.threads` = 1).
+    dram_preloaded: every reusable chunk sits in the DRAM tier before the mode runs.
+    policy: the value of the simulator's `Policy` that models the mode; None: the simulator does not replay it.
+    """
+
+    name: str
+    description: str
+    connector: bool = False
+    prefetch: bool = False
+    load_mode: LoadMode | None = None
+    serial: bool = False
+    dram_preloaded: bool = False
+    policy: str | None = None
+    two_instance: bool = False
+    remote: bool = False
+    peer: bool = False
+
+
+_ALL = (
+    Mode("recompute", "vLLM alone: its own prefix cache (same engine KV size as the others), no external KV",
+         policy="recompute"),
+    Mode("ondemand", "kvprefetch, prefetch off: reads start when the scheduler reaches the request (async load)",
+         connector=True, policy="ondemand"),
+    Mode("ondemand-sync", "kvprefetch, prefetch off, loads block the engine step, parallel reads",
+         connector=True, load_mode="sync", policy="ondemand-sync"),
+    Mode("ondemand-serial", "kvprefetch, prefetch off, loads block the engine step, one read in flight (LMCache's "
+         "default behaviour: the whitepaper's baseline)", connector=True, load_mode="sync", serial=True),
+    Mode("prefetch", "kvprefetch, prefetch on arrival, load_mode auto (a late prefetch finishes in the step when "
+         "that costs the batch less than parking the request)", connector=True, prefetch=True, load_mode="auto",
+         policy="prefetch"),
+    Mode("dram", "kvprefetch with every reusable chunk already in DRAM (the bound perfect prefetch approaches)",
+         connector=True, prefetch=True, load_mode="auto", dram_preloaded=True, policy="dram"),
+    Mode("vllm-example", "vLLM's built-in ExampleConnector on the same disk (what a user gets without us)", peer=True),
+    Mode("lmcache", "LMCache's vLLM connector (CPU + local disk), CUDA machines where lmcache is installed",
+         peer=True),
+    # opt-in (not in the default run)
+    Mode("prefetch-remote", "kvprefetch, prefetch on; the prelude's KV in a remote tier (Redis or Mooncake on "
+         "loopback), the engine's own disk tier empty", connector=True, prefetch=True, load_mode="auto",
+         remote=True),
+    Mode("shared-2x", "two engines at once, turns alternating between them, one node-local cache (same DRAM pool, "
+         "same disk tier), prefetch on", connector=True, prefetch=True, load_mode="auto", two_instance=True),
+    Mode("private-2x", "two engines at once, turns alternating between them, a cache each (own DRAM pool and disk "
+         "tier, both starting from the prelude), prefetch on", connector=True, prefetch=True, load_mode="auto",
+         two_instance=True),
+)  # fmt: skip
+
+MODE: dict[str, Mode] = {m.name: m for m in _ALL}
+"""Every mode by name, in the bench's order."""
+
+SIMULATED: dict[str, str] = {m.name: m.policy for m in _ALL if m.policy is not None}
+"""Mode -> the simulator's policy, for the modes the bench replay predicts (in this order: the bench derives each
+simulated mode's calibration seed from its position)."""

@@ -1,0 +1,145 @@
+"""The package's import graph, read from the source with `ast`: layers depend one way and no modules import each
+other in a circle.
+
+Every import counts, also those inside functions: a lazy import still ties the two modules together (it only
+moves the failure from import time to call time). Imports under `if TYPE_CHECKING:` do not run and are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import kvprefetch
+
+ROOT = Path(kvprefetch.__file__).resolve().parent
+PACKAGE = "kvprefetch"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _type_checking_only(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imported(tree: ast.AST, here: str, is_package: bool, known: set[str]) -> set[str]:
+    """The package's modules this module imports: `from a.b import c` names the module a.b.c where c is one,
+    else a.b (a package's own __init__ where a.b is a package)."""
+    out: set[str] = set()
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _type_checking_only(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == PACKAGE}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here.split(".") if is_package else here.split(".")[:-1]
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            if base.split(".")[0] == PACKAGE:
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    out.add(sub if sub in known else base)
+        stack.extend(ast.iter_child_nodes(node))
+    out.discard(here)
+    return {m for m in out if m in known}
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {
+        name: _imported(ast.parse(path.read_text()), name, path.name == "__init__.py", known)
+        for name, path in mods.items()
+    }
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_graph_sees_lazy_imports():
+    """The check reads imports inside functions (the CLI registers its subcommands lazily)."""
+    assert "kvprefetch.sim.cli" in import_graph()["kvprefetch.cli"]
+
+
+def test_sim_does_not_import_bench():
+    """The simulator reads a bench run only through `kvprefetch.results` and `kvprefetch.workload`."""
+    bad = {
+        (m, dep)
+        for m, deps in import_graph().items()
+        if m.startswith("kvprefetch.sim")
+        for dep in deps
+        if dep == "kvprefetch.bench" or dep.startswith("kvprefetch.bench.")
+    }
+    assert bad == set()
+
+
+CORE = ("kvprefetch.keys", "kvprefetch.tiers", "kvprefetch.io", "kvprefetch.store", "kvprefetch.workload")
+ABOVE = ("kvprefetch.vllm", "kvprefetch.bench", "kvprefetch.sim", "kvprefetch.cli", "kvprefetch.loader")
+
+
+def _under(m: str, prefixes: tuple[str, ...]) -> bool:
+    return any(m == p or m.startswith(p + ".") for p in prefixes)
+
+
+def test_core_does_not_import_the_layers_above():
+    """keys, tiers, io, store and the workload models never reach up into connectors, bench, sim or the CLI."""
+    bad = {(m, d) for m, deps in import_graph().items() if _under(m, CORE) for d in deps if _under(d, ABOVE)}
+    assert bad == set()
+
+
+def test_the_connector_does_not_import_bench_or_sim():
+    bad = {
+        (m, d)
+        for m, deps in import_graph().items()
+        if _under(m, ("kvprefetch.vllm",))
+        for d in deps
+        if _under(d, ("kvprefetch.bench", "kvprefetch.sim"))
+    }
+    assert bad == set()
