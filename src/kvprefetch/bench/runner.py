@@ -52,6 +52,7 @@ from kvprefetch.bench.sessions import SessionSchedule
 from kvprefetch.bench.stats import cell_metrics
 from kvprefetch.bench.topology import TopologyKind, plan_topology
 from kvprefetch.modes import SIMULATED as BENCH_MODES
+from kvprefetch.results import SCHEMA_KEY, SCHEMA_VERSION
 from kvprefetch.workload.replay import (
     CONTEXT,
     CONTEXT_MAX_NUM_SEQS,
@@ -471,7 +472,7 @@ class Bench:
             _remove_pool(f"kvb-{self.run_id}-")  # every pool of this run, whichever step was interrupted
         self.p.update("done", self.p.total)
         results = {
-            "kvprefetch_bench": 1,
+            SCHEMA_KEY: SCHEMA_VERSION,
             "started": dt.datetime.fromtimestamp(t_start).isoformat(timespec="seconds"),
             "duration_s": time.time() - t_start,
             "machine": machine_info() | {"loadavg_end": os.getloadavg()},
