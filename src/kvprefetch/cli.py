@@ -10,26 +10,15 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from pydantic import ByteSize, TypeAdapter, ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvprefetch.cli_args import parse_size
 from kvprefetch.config import ConfigError, StoreConfig, default_cache_dir
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 console = Console()
-
-
-def parse_size(text: str) -> int:
-    """'1GiB', '512MiB', '4194304' -> bytes; a clear error otherwise."""
-    try:
-        size = int(TypeAdapter(ByteSize).validate_python(text))
-    except ValidationError:
-        raise typer.BadParameter(f"not a size: {text!r} (use e.g. 4MiB, 1GiB or a number of bytes)") from None
-    if size <= 0:
-        raise typer.BadParameter(f"size must be positive, got {text!r}")
-    return size
 
 
 @app.command()

@@ -108,6 +108,10 @@ def test_the_graph_sees_lazy_imports():
     assert "kvprefetch.sim.cli" in import_graph()["kvprefetch.cli"]
 
 
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
 def test_sim_does_not_import_bench():
     """The simulator reads a bench run only through `kvprefetch.results` and `kvprefetch.workload`."""
     bad = {

@@ -187,7 +187,7 @@ def register(app: typer.Typer) -> None:
         from kvprefetch.bench.regime import parse_regime
         from kvprefetch.bench.runner import QUICK_CONCURRENCY, BenchOptions
         from kvprefetch.bench.topology import TOPOLOGIES
-        from kvprefetch.cli import parse_size
+        from kvprefetch.cli_args import parse_size
         from kvprefetch.workload.replay import ChatBench, TraceBench
 
         modes = [m.strip() for item in (mode or []) for m in item.split(",") if m.strip()]

@@ -23,7 +23,7 @@ def remotebench(
 ) -> None:
     """Remote tier (Redis, Mooncake Store) read bandwidth through kvprefetch vs the raw client, one run."""
     from kvprefetch.bench.remotebench import run_all
-    from kvprefetch.cli import parse_size
+    from kvprefetch.cli_args import parse_size
 
     backends = backend or ["redis", "mooncake"]
     unknown = set(backends) - {"redis", "mooncake"}

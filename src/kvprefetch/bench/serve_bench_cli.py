@@ -50,7 +50,7 @@ def bench_serve(
         server_argv,
         tiny_model_dir,
     )
-    from kvprefetch.cli import parse_size
+    from kvprefetch.cli_args import parse_size
 
     modes = [m for m in mode.replace(" ", "").split(",") if m]
     bad = [m for m in modes if m not in SERVER_MODES]

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from kvprefetch.workload.tokens import synthesize_tokens
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -45,6 +47,4 @@ class Request:
 
     def token_ids(self, vocab_size: int = 32000) -> np.ndarray:
         """The prompt's token ids (int64), rebuilt deterministically from the recipe."""
-        from kvprefetch.workload.tokens import synthesize_tokens
-
         return synthesize_tokens(self, vocab_size)

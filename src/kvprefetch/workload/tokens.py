@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvprefetch.workload.request import Request
+if TYPE_CHECKING:  # the record's type only: requests call into this module (`Request.token_ids`), not back
+    from kvprefetch.workload.request import Request
 
 _TRACE_STREAM = 1
 _SYSTEM_STREAM = 2
