@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvprefetch.config import IOConfig
+from kvprefetch.loadplan import best_prefix
 from kvprefetch.sim.block_pool import BlockPool
 from kvprefetch.sim.costs import Deployment
 from kvprefetch.sim.policy import Policy
@@ -233,10 +234,12 @@ class Simulator:
         return st
 
     def _maybe_recompute(self, st: _Req) -> None:
-        """The load-vs-recompute rule, as the connector's `CostModel.plan` applies it when the scheduler reaches
-        a request: the load takes until its KV is in DRAM (a prefetch in flight: what it has left; blocks still in
-        storage: behind every read queued on their tier) plus the copy into HBM, and it is dropped when that is
-        longer than recomputing the same tokens on an idle engine (the connector's measured prefill speed)."""
+        """The connector's load-or-recompute rule (`kvprefetch.loadplan.best_prefix`) when the scheduler reaches a
+        request, on the simulator's own costs: the load takes until its KV is in DRAM (a prefetch in flight:
+        what it has left; blocks still in storage: behind every read queued on their tier) plus the copy into
+        HBM; recomputing is the prefill of the same tokens on an idle engine (the connector's measured prefill
+        speed). The simulator weighs a request's external hit as one unit, loaded or recomputed whole, where the
+        connector may split it at a chunk boundary."""
         ready = max(self.now, self._in_dram_at(st) or self.now)
         for name, nbytes in st.ext_bytes_by_tier.items():
             if name in self.pipes:
@@ -245,7 +248,7 @@ class Simulator:
         key = (st.ext_tokens, st.hbm_tokens)
         if key not in self._recompute_cost:
             self._recompute_cost[key] = self.dep.prefill_time(st.ext_tokens, st.hbm_tokens)
-        if load > self._recompute_cost[key]:
+        if best_prefix([load], [self._recompute_cost[key]]) == 0:
             st.recomputed_slower = st.ext_tokens
             self._cancel_reads(st)
             st.ext_tokens, st.ext_bytes_by_tier = 0, {}

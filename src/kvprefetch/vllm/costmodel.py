@@ -13,16 +13,11 @@ Until a rate has been measured its prior is used (``disk_bps_prior``/``prefill_t
 prior, loads pay until the first forward has been timed: a fresh engine has nothing measured yet, and a load
 from DRAM is far faster than any prefill).
 
-Per request the hit is a run of leading chunks, each in some tier. Loading chunk i costs l_i: the disk is a
-pipe, so a disk chunk finishes after everything queued before it (``queue_bytes``) and the disk chunks before
-it in this request; a DRAM chunk costs only its copy. Recomputing a chunk costs r = chunk_tokens / prefill
-speed. A load must be a prefix, and the request waits for its slowest loaded chunk, so the plan loads the k
-leading chunks that maximise ``k*r - margin * max_{i<k} l_i`` (k=0: recompute everything): a slow or
-overloaded tier degrades to recompute, never below it, and a split (load the head, compute the rest) happens
-when only the head pays. An asynchronous load (a prefix reaching below DRAM, ``load_mode: async``) also costs
-the request the rest of the current engine step, since vLLM schedules it only in a step after its load is
-reported done: its load time is at least ``async_s``, the expected duration of that step (`expected_step_s`:
-the last step's tokens at the measured speed, capped by the measured step time; ~0 on an idle engine).
+Per request the plan (which leading chunks to load, which to recompute) is `kvprefetch.loadplan.plan` on these
+rates: the rule the simulator applies too. An asynchronous load (a prefix reaching below DRAM, ``load_mode:
+async``) costs the request at least ``async_s``, the expected duration of the step being scheduled
+(`expected_step_s`: the last step's tokens at the measured speed, capped by the measured step time; ~0 on an
+idle engine).
 """
 
 from __future__ import annotations
@@ -30,8 +25,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
+
+from kvprefetch.loadplan import Plan, Rates, plan
 
 
 class Ema:
@@ -111,14 +107,6 @@ def _moved(fut: Any) -> bool:
     return not fut.cancelled() and fut.exception() is None
 
 
-@dataclass
-class Plan:
-    load_chunks: int  # leading chunks to load (counting from 0; chunks below `first` are already on the engine)
-    skipped_slower: int  # hit chunks not loaded because recomputing them is faster
-    est_load_s: float
-    est_recompute_s: float
-
-
 class CostModel:
     def __init__(
         self,
@@ -169,15 +157,13 @@ class CostModel:
         }
 
     # ---- decision -------------------------------------------------------------------------------------------
-    def copy_s(self) -> float:
-        return self.chunk_bytes / (self.copy_bps.value or 4e9)
+    def rates(self) -> Rates:
+        """The rates as measured so far (the priors where nothing is)."""
+        return Rates(self.chunk_bytes, self.chunk_tokens, self.disk_bps.value or 1e9, self.copy_bps.value or 4e9,
+                     self.prefill_tps.value)  # fmt: skip
 
     def disk_s(self, nbytes: int) -> float:
-        return nbytes / (self.disk_bps.value or 1e9)
-
-    def recompute_s(self, tokens: int) -> float | None:
-        tps = self.prefill_tps.value
-        return None if not tps else tokens / tps
+        return self.rates().disk_s(nbytes)
 
     def finish_in_step(self, remaining_bytes: int, running: int, step_s: float) -> bool:
         """``load_mode: auto``: finish a reached request's remaining disk reads inside this step, or park it?
@@ -208,31 +194,6 @@ class CostModel:
 
         queue_bytes: disk reads queued ahead of this request's first disk chunk. async_s: a prefix that reaches
         below DRAM is loaded asynchronously and costs at least this long (None: loads are synchronous).
+        The rule itself is `kvprefetch.loadplan.plan`, shared with the simulator.
         """
-        n = len(on_disk)
-        if n <= first:
-            return Plan(n, 0, 0.0, 0.0)
-        r = self.recompute_s(self.chunk_tokens)
-        # ready[j]: when chunk first+j is in the engine if loaded (disk chunks are served in order, one pipe).
-        ready: list[float] = []
-        disk_done = self.disk_s(queue_bytes)
-        copy_done = 0.0
-        min_s = 0.0
-        for i in range(first, n):
-            if on_disk[i]:
-                disk_done += self.disk_s(self.chunk_bytes)
-                copy_done = max(copy_done, disk_done) + self.copy_s()
-                if async_s:
-                    min_s = async_s
-            else:
-                copy_done += self.copy_s()
-            ready.append(max(copy_done, min_s))
-        if r is None:  # nothing measured yet: loads pay (DRAM copy >> prefill speed on every engine we know)
-            return Plan(n, 0, ready[-1], float("nan"))
-        best_k, best_gain = first, 0.0
-        for j, t in enumerate(ready):
-            gain = (j + 1) * r - t * self.margin
-            if gain > best_gain:
-                best_gain, best_k = gain, first + j + 1
-        est_load = ready[best_k - first - 1] if best_k > first else 0.0
-        return Plan(best_k, n - best_k, est_load, r * (n - first))
+        return plan(on_disk, self.rates(), first, queue_bytes, async_s, self.margin)
