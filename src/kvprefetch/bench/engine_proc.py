@@ -339,13 +339,9 @@ class Driver:
 
 # ---- the stores -----------------------------------------------------------------------------------------------
 def _disk_keys(root: Path) -> list[bytes]:
-    keys = []
-    for f in sorted(root.glob("??/*.kv")):
-        try:
-            keys.append(bytes.fromhex(f.name[:64]))
-        except ValueError:
-            continue
-    return keys
+    from kvprefetch.tiers.disk import chunk_keys
+
+    return chunk_keys(root)
 
 
 def preload_dram(max_chunks: int | None = None) -> dict:

@@ -209,16 +209,10 @@ def _round_up(x: int, m: int) -> int:
 
 
 def _clone_tree(src: Path, dst: Path) -> int:
-    """Hard-link copy (the disk tier writes by rename and deletes by unlink, so links never see a change)."""
-    n = 0
-    for d, _, files in os.walk(src):
-        rel = Path(d).relative_to(src)
-        (dst / rel).mkdir(parents=True, exist_ok=True)
-        for f in files:
-            if f.endswith(".kv"):
-                os.link(Path(d) / f, dst / rel / f)
-                n += 1
-    return n
+    """A disk tier directory's chunks, hard-linked into another (`kvprefetch.tiers.disk.link_tree`)."""
+    from kvprefetch.tiers.disk import link_tree
+
+    return link_tree(src, dst)
 
 
 def _remove_pool(name: str) -> None:
@@ -545,7 +539,9 @@ class Bench:
         return tokens / tps * (1.0 if heavy else 0.3) + 2
 
     def _count_chunks(self, d: Path) -> int:
-        return sum(1 for _ in d.glob("??/*.kv"))
+        from kvprefetch.tiers.disk import chunk_keys
+
+        return len(chunk_keys(d))
 
     def _start_failed(self, mode: str, err: BaseException) -> None:
         self.notes.append(f"{mode}: engine failed to start: {str(err)[:2000]}")

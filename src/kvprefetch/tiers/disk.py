@@ -58,6 +58,39 @@ class ForeignChunk(ChunkMissing):
     a miss, and left where it is."""
 
 
+def chunk_files(root: str | os.PathLike) -> list[tuple[bytes, Path]]:
+    """(key, file) of every chunk under a disk tier's directory, in key order, read from the directory alone:
+    no tier is opened, so nothing is recovered, tightened or evicted (for tools that look at, or copy, a tier
+    another process owns). Names that are not chunk names are left out, as the tier leaves them."""
+    out = []
+    base = Path(root)
+    for sub in sorted(base.iterdir()) if base.is_dir() else []:
+        if len(sub.name) != 2 or not sub.is_dir() or sub.is_symlink():
+            continue
+        out += [(bytes.fromhex(f.name[:64]), f) for f in sorted(sub.iterdir()) if _CHUNK_NAME.match(f.name)]
+    return out
+
+
+def chunk_keys(root: str | os.PathLike) -> list[bytes]:
+    """The keys of every chunk under a disk tier's directory, in key order (`chunk_files`)."""
+    return [key for key, _ in chunk_files(root)]
+
+
+def link_tree(src: str | os.PathLike, dst: str | os.PathLike) -> int:
+    """A second disk tier directory holding the same chunks as `src`, as hard links; returns how many.
+
+    Cheap and safe to diverge: the tier writes a chunk by renaming a new file over its name and deletes by
+    unlinking, never in place, so a change on either side never shows through the link on the other."""
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    n = 0
+    for _, f in chunk_files(src):
+        (dst / f.parent.name).mkdir(exist_ok=True)
+        os.link(f, dst / f.parent.name / f.name)
+        n += 1
+    return n
+
+
 def aligned_buffer(nbytes: int) -> memoryview:
     """Page-aligned anonymous memory, as O_DIRECT needs."""
     return memoryview(mmap.mmap(-1, max(ALIGN, nbytes)))[:nbytes]
@@ -101,6 +134,11 @@ class DiskTier:
         self.recover()
 
     # ---- paths -------------------------------------------------------------------------------------------
+    def keys(self) -> list[bytes]:
+        """The keys this tier holds (its index), least recently used first."""
+        with self._lock:
+            return list(self._index)
+
     def path_of(self, key: bytes) -> Path:
         hexkey = key.hex()
         return self.root / hexkey[:2] / f"{hexkey}.kv"
