@@ -14,12 +14,14 @@ from kvprefetch.results import PreludeCounters
 from kvprefetch.sim.calibration import (
     Calibration,
     calibration_from_results,
+    charged_io_cpu,
     chunk_ids,
     cpu_deployment,
     io_cpu_per_byte,
     level_requests,
     predict_bench,
     rebuild_workload,
+    replay_cells,
     request_overhead,
 )
 from kvprefetch.workload.replay import ChatBench, chat_workload
@@ -338,3 +340,31 @@ def test_the_results_schema_reads_older_runs_and_refuses_newer_ones():
     assert typed.config.topology.kind == "shared"  # runs before topologies computed on every core
     with pytest.raises(ValueError, match=f"reads up to {SCHEMA_VERSION}"):
         BenchResults.from_json(results | {SCHEMA_KEY: SCHEMA_VERSION + 1})
+
+
+def test_the_context_workload_is_replayed_as_the_chat_shape_it_was_built_from():
+    """The default workload declares kind "context" (a chat-shaped workload): its replay is those very sessions,
+    each a stored context plus new tokens, so the engine computes only the new tokens in the connector's modes."""
+    from kvprefetch.workload.replay import CONTEXT
+
+    results = _results() | {"workload": chat_workload(CONTEXT, [1, 4], 4096).declared}
+    assert results["workload"]["kind"] == "context"
+    replayed, built = rebuild_workload(results), chat_workload(CONTEXT, [1, 4], 4096)
+    assert replayed.levels == built.levels and replayed.prelude == built.prelude
+    cells = replay_cells(calibration_from_results(results), replayed, ["prefetch"], [4])
+    past_context = sum(len(t.tokens) - CONTEXT.history_tokens for s in built.levels[4] for t in s.turns)
+    assert 0 < past_context < built.prompt_tokens(4) / 20
+    assert cells[("prefetch", 4)].tokens_from["computed"] == past_context
+
+
+def test_a_gpu_node_run_does_not_charge_the_connectors_cpu_to_the_models_steps():
+    """With `gpu-node` the connector's threads ran on cores of their own: their CPU per byte is still read from
+    the prelude, but the replay charges the model's steps nothing for it."""
+    results = _results()
+    results["populate"]["prelude"] = {"helper_cpu_s": 0.9, "loaded_chunks": 200, "saved_chunks": 300}
+    shared = calibration_from_results(results)
+    assert shared.io_on_model_cores and charged_io_cpu(shared) == pytest.approx(0.9 / (500 << 20))
+    results["config"]["topology"] = {"kind": "gpu-node", "model_cpus": [0], "host_cpus": [1]}
+    apart = calibration_from_results(results)
+    assert apart.io_cpu_s_per_byte == shared.io_cpu_s_per_byte and not apart.io_on_model_cores
+    assert charged_io_cpu(apart) == 0.0

@@ -71,6 +71,7 @@ class Calibration:
     dram_bytes: int | None = None
     host_copy_gbps: float = 8.0  # DRAM pool -> engine KV when no reload was measured (a memcpy; estimate)
     io_cpu_s_per_byte: float | None = None  # the connector threads' CPU per byte they moved (the prelude's)
+    io_on_model_cores: bool = True  # those threads ran on the model's cores (False: `gpu-node`, cores of their own)
     engine_block_tokens: int | None = None  # vLLM's KV block size: its prefix cache hits are whole blocks of it
     engines: int = 1  # the speeds are medians over this many engines' calibrations (`pooled_calibration`)
 
@@ -79,6 +80,13 @@ class Calibration:
         data = json.loads(Path(path).read_text())
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def charged_io_cpu(cal: Calibration) -> float:
+    """The connector's CPU seconds per byte moved that the model's steps pay: all of it where its threads share
+    the model's cores (`shared` topology, the default); none where they have cores of their own (`gpu-node`, as
+    host threads beside a GPU, whose copies delay no forward pass)."""
+    return (cal.io_cpu_s_per_byte or 0.0) if cal.io_on_model_cores else 0.0
 
 
 def request_overhead(cal: Calibration, step_overhead: float) -> float:
@@ -301,6 +309,7 @@ def calibration_from_results(results: BenchResults | dict) -> Calibration:
         max_num_seqs=cfg.max_num_seqs,
         dram_bytes=cfg.dram_tier_bytes,
         io_cpu_s_per_byte=io_cpu_per_byte(results.populate.prelude, reg.chunk_bytes),
+        io_on_model_cores=not cfg.topology.separates_io,
         engine_block_tokens=cfg.engine_block_tokens,
         engines=int(cal["engines"]),
     )
@@ -357,7 +366,7 @@ def replay_cells(
                 engine_block_pool=True,
                 sync_loads_in_step=True,
                 request_overhead_s=request_overhead(cal, dep.accelerator.step_overhead_s),
-                io_cpu_s_per_byte=cal.io_cpu_s_per_byte or 0.0,
+                io_cpu_s_per_byte=charged_io_cpu(cal),
                 engine_block_tokens=cal.engine_block_tokens,
             )
             sim = Simulator(config, requests)

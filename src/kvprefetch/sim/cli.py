@@ -108,7 +108,7 @@ def _token_split(predictions: list[list[dict]]) -> list:
 def _print_calibration(runs: list[BenchResults]) -> None:
     """Say how many engines each run's speeds are medians over, and what the replays charged the steps for the
     connector's copies (or that an older run could not tell)."""
-    from kvprefetch.sim.calibration import calibration_from_results
+    from kvprefetch.sim.calibration import calibration_from_results, charged_io_cpu
 
     cals = [calibration_from_results(r) for r in runs]
     engines = ", ".join(str(c.engines) for c in cals)
@@ -117,7 +117,11 @@ def _print_calibration(runs: list[BenchResults]) -> None:
     if all(k is None for k in costs):
         console.print("these runs did not measure the connector's CPU (an older bench): copies cost the steps nothing")
         return
-    each = ", ".join("-" if k is None else f"{k * 1e9:.2f}" for k in costs)
+    each = ", ".join(
+        "-" if c.io_cpu_s_per_byte is None
+        else f"{charged_io_cpu(c) * 1e9:.2f}" + ("" if c.io_on_model_cores else " (gpu-node: cores of their own)")
+        for c in cals
+    )  # fmt: skip
     console.print(f"connector CPU per byte moved, charged to the steps: {each} ns/B (each run's prelude)")
 
 

@@ -13,6 +13,7 @@ from kvprefetch.config import IOConfig
 from kvprefetch.sim.calibration import (
     MEASURED_DISK_LATENCY_S,
     Calibration,
+    charged_io_cpu,
     cpu_deployment,
     load_bench_calibration,
     request_overhead,
@@ -126,7 +127,7 @@ class Setup:
         cal = self.measured()
         return {
             "request_overhead_s": request_overhead(cal, dep.accelerator.step_overhead_s),
-            "io_cpu_s_per_byte": cal.io_cpu_s_per_byte or 0.0,
+            "io_cpu_s_per_byte": charged_io_cpu(cal),
             "engine_block_tokens": cal.engine_block_tokens,
         }
 

@@ -280,8 +280,8 @@ def trace_workload(spec: TraceBench, concurrencies: list[int], vocab_size: int) 
 def workload_from_declared(declared: dict, concurrencies: list[int], vocab_size: int) -> BenchWorkload:
     """A run's workload regenerated from what it declared (results.json's `workload`): the generators are
     deterministic, so this is token for token what the run replayed."""
-    kind = declared.get("kind", "chat")
-    spec_cls, build = (ChatBench, chat_workload) if kind == "chat" else (TraceBench, trace_workload)
+    trace = declared.get("kind") == "trace"  # else a chat-shaped workload: "chat", or its variants ("context")
+    spec_cls, build = (TraceBench, trace_workload) if trace else (ChatBench, chat_workload)
     spec = spec_cls(**{f.name: declared[f.name] for f in fields(spec_cls) if f.name in declared})
     return build(spec, list(concurrencies), vocab_size)
 
