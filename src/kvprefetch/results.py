@@ -30,6 +30,10 @@ class ModelInfo(_Part):
     vocab_size: int
 
 
+class MachineInfo(_Part):
+    cpus: int | None = None
+
+
 class Topology(_Part):
     """Where the run's threads computed (`kvprefetch.bench.topology`): `shared`, the connector's threads on the
     model's cores; `gpu-node`, on cores of their own (as host threads beside a GPU's compute)."""
@@ -88,6 +92,7 @@ class Row(_Part):
     share_computed: float | None = None  # of prompt tokens: computed by the engine
     share_engine: float | None = None  # ... found in the engine's own prefix cache
     helper_cpu_s: float | None = None  # CPU seconds of the connector's threads in the cell
+    foreign_cpu_cores: float | None = None  # CPU the machine's other processes took meanwhile, in cores
 
     def tokens(self, share: float | None) -> int | None:
         """Prompt tokens of the cell in one of its shares."""
@@ -99,6 +104,7 @@ class Row(_Part):
 class BenchResults(_Part):
     version: int = Field(default=SCHEMA_VERSION, alias=SCHEMA_KEY)
     model: ModelInfo
+    machine: MachineInfo = MachineInfo()
     config: RunConfig
     workload: dict[str, Any]  # every knob that shaped the workload (`kvprefetch.workload.replay`), as declared
     regime: Regime

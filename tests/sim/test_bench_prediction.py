@@ -12,17 +12,21 @@ from typer.testing import CliRunner
 from kvprefetch.cli import app
 from kvprefetch.results import PreludeCounters
 from kvprefetch.sim.calibration import (
+    MIN_ENGINE_CORES,
     Calibration,
+    at_speed,
     calibration_from_results,
     charged_io_cpu,
     chunk_ids,
     cpu_deployment,
     io_cpu_per_byte,
     level_requests,
+    load_path_measured,
     predict_bench,
     rebuild_workload,
     replay_cells,
     request_overhead,
+    speed_factor,
 )
 from kvprefetch.workload.replay import ChatBench, chat_workload
 
@@ -363,8 +367,55 @@ def test_a_gpu_node_run_does_not_charge_the_connectors_cpu_to_the_models_steps()
     results = _results()
     results["populate"]["prelude"] = {"helper_cpu_s": 0.9, "loaded_chunks": 200, "saved_chunks": 300}
     shared = calibration_from_results(results)
-    assert shared.io_on_model_cores and charged_io_cpu(shared) == pytest.approx(0.9 / (500 << 20))
+    assert shared.shared_cores and charged_io_cpu(shared) == pytest.approx(0.9 / (500 << 20))
     results["config"]["topology"] = {"kind": "gpu-node", "model_cpus": [0], "host_cpus": [1]}
     apart = calibration_from_results(results)
-    assert apart.io_cpu_s_per_byte == shared.io_cpu_s_per_byte and not apart.io_on_model_cores
+    assert apart.io_cpu_s_per_byte == shared.io_cpu_s_per_byte and not apart.shared_cores
     assert charged_io_cpu(apart) == 0.0
+
+
+def test_each_cell_runs_at_the_share_of_the_machine_its_neighbours_left_the_engine():
+    """On a shared machine the calibration and every cell see other processes' load: a cell whose neighbours took
+    less CPU than they did while the engine calibrated replays faster, by the engine's share of the cores."""
+    cal = replace(CAL, machine_cpus=2, foreign_cpu_cores=1.0)
+    assert speed_factor(cal, 1.0) == 1.0 and speed_factor(cal, 0.0) == 2.0 and speed_factor(cal, 1.5) == 0.5
+    assert speed_factor(cal, 9.0) == pytest.approx(MIN_ENGINE_CORES)  # a saturated reading stays finite
+    assert speed_factor(CAL, 0.0) == 1.0 and speed_factor(cal, None) == 1.0  # unknown: the calibration's speed
+    assert speed_factor(replace(cal, shared_cores=False), 0.0) == 1.0  # gpu-node: the model's cores its own
+    dep = cpu_deployment(cal)
+    assert at_speed(dep, 2.0).prefill_time(2048) == pytest.approx(dep.prefill_time(2048) / 2)
+
+    results = _results()
+    results["machine"] = {"cpus": 2}
+    results["populate"]["calibration"]["foreign_cpu_cores"] = 1.0
+    ttft = {}
+    for foreign in (1.0, 0.0):
+        for row in results["rows"]:
+            row["foreign_cpu_cores"] = foreign
+        ttft[foreign] = {(p["mode"], p["concurrency"]): p["predicted"] for p in predict_bench(results)}
+    plain = {(p["mode"], p["concurrency"]): p["predicted"] for p in predict_bench(_results())}
+    assert ttft[1.0] == plain  # neighbours as busy as when it calibrated: the calibration's speed
+    assert all(ttft[0.0][cell] < ttft[1.0][cell] for cell in plain)
+
+
+def test_copies_priced_by_the_reload_sample_are_not_charged_cpu_again():
+    """The DRAM -> engine rate comes from a timed reload, the copying threads' CPU included; the replay then
+    charges the steps CPU per byte only for the other traffic (disk reads, saves), not for those copies again."""
+    from kvprefetch.sim.engine import SimConfig, simulate
+    from kvprefetch.sim.policy import Policy
+    from kvprefetch.sim.tiers import TierSpec
+
+    assert load_path_measured(CAL)
+    assert not load_path_measured(replace(CAL, reload_s=None))
+    dep = cpu_deployment(CAL)
+    workload = chat_workload(SPEC, [4], 4096)
+    stored = [b for s in workload.prelude for t in s.turns for b in chunk_ids(t.tokens, 256)]
+    requests = level_requests(workload.levels[4], 256)
+
+    def ttft(on_loads: bool) -> float:
+        config = SimConfig(dep, Policy.DRAM, (TierSpec("dram", None, dep.accelerator.host_link_bw),), concurrency=4,
+                           preload={"dram": stored}, block_tokens=256, engine_block_pool=True,
+                           sync_loads_in_step=True, io_cpu_s_per_byte=2e-9, io_cpu_on_loads=on_loads)  # fmt: skip
+        return simulate(config, requests).ttft_p(50)
+
+    assert ttft(on_loads=False) < ttft(on_loads=True)

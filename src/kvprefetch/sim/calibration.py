@@ -11,7 +11,8 @@ seconds the connector's threads spent per byte they moved while the prelude popu
 copies and I/O run on the cores the model computes on, so the replay charges them to the steps).
 What the replay takes: the same sessions, turns, think times and the prelude that populated the disk tier,
 rebuilt from the run's declared workload; chunks are identified by chained hashes of their tokens, exactly as
-the store keys them. Nothing is fitted to the TTFTs it predicts.
+the store keys them; and each cell's share of the machine (the CPU other processes took during the cell against
+during the calibration: `speed_factor`). Nothing is fitted to the TTFTs it predicts.
 """
 
 from __future__ import annotations
@@ -71,9 +72,13 @@ class Calibration:
     dram_bytes: int | None = None
     host_copy_gbps: float = 8.0  # DRAM pool -> engine KV when no reload was measured (a memcpy; estimate)
     io_cpu_s_per_byte: float | None = None  # the connector threads' CPU per byte they moved (the prelude's)
-    io_on_model_cores: bool = True  # those threads ran on the model's cores (False: `gpu-node`, cores of their own)
+    # The model computed on every core, beside the connector's threads and the machine's other processes (`shared`
+    # topology); False: on cores of its own (`gpu-node`), the rest of the engine and the host's work on the others
+    shared_cores: bool = True
     engine_block_tokens: int | None = None  # vLLM's KV block size: its prefix cache hits are whole blocks of it
     engines: int = 1  # the speeds are medians over this many engines' calibrations (`pooled_calibration`)
+    foreign_cpu_cores: float | None = None  # CPU the machine's other processes took while it calibrated, in cores
+    machine_cpus: int | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
@@ -86,7 +91,7 @@ def charged_io_cpu(cal: Calibration) -> float:
     """The connector's CPU seconds per byte moved that the model's steps pay: all of it where its threads share
     the model's cores (`shared` topology, the default); none where they have cores of their own (`gpu-node`, as
     host threads beside a GPU, whose copies delay no forward pass)."""
-    return (cal.io_cpu_s_per_byte or 0.0) if cal.io_on_model_cores else 0.0
+    return (cal.io_cpu_s_per_byte or 0.0) if cal.shared_cores else 0.0
 
 
 def request_overhead(cal: Calibration, step_overhead: float) -> float:
@@ -181,6 +186,12 @@ def cpu_deployment(cal: Calibration) -> Deployment:
     return replace(dep, accelerator=replace(cpu, host_link_bw=copy_bw))
 
 
+def load_path_measured(cal: Calibration) -> bool:
+    """The DRAM tier -> engine rate comes from the reloaded prompt (`_load_bandwidth`), which timed the whole
+    load path, the CPU of the threads that copy included: a replay charges those copies no CPU per byte again."""
+    return cal.reload_s is not None and cpu_deployment(cal).accelerator.host_link_bw != cal.host_copy_gbps * 1e9
+
+
 def _load_bandwidth(cal: Calibration, dep: Deployment) -> float | None:
     """DRAM tier -> engine KV, bytes/s, from the reloaded prompt: its time to first token less the front end and
     the prefill of the tokens after the loaded ones. This is the connector's whole load path (pinning, copies
@@ -273,6 +284,9 @@ def pooled_calibration(calibrations: list[dict]) -> dict:
     reloads = [c["reload_s"] for c in calibrations if c.get("reload_s") and c.get("reload_tokens") == reload_tokens]
     if reloads:
         pooled |= {"reload_s": float(np.median(reloads)), "reload_tokens": reload_tokens}
+    foreign = [c["foreign_cpu_cores"] for c in calibrations if c.get("foreign_cpu_cores") is not None]
+    if foreign:
+        pooled["foreign_cpu_cores"] = float(np.median(foreign))
     pooled["engines"] = len(calibrations)
     return pooled
 
@@ -309,9 +323,11 @@ def calibration_from_results(results: BenchResults | dict) -> Calibration:
         max_num_seqs=cfg.max_num_seqs,
         dram_bytes=cfg.dram_tier_bytes,
         io_cpu_s_per_byte=io_cpu_per_byte(results.populate.prelude, reg.chunk_bytes),
-        io_on_model_cores=not cfg.topology.separates_io,
+        shared_cores=not cfg.topology.separates_io,
         engine_block_tokens=cfg.engine_block_tokens,
         engines=int(cal["engines"]),
+        foreign_cpu_cores=cal.get("foreign_cpu_cores"),
+        machine_cpus=results.machine.cpus,
     )
 
 
@@ -330,8 +346,44 @@ def load_bench_calibration(path: str) -> Calibration:
         raise ValueError(f"{path} is not a usable kvprefetch bench results.json: {err!r}") from None
 
 
+MIN_ENGINE_CORES = 0.25
+"""The least share of the machine `speed_factor` leaves the engine: a saturated reading stays finite."""
+
+
+def speed_factor(cal: Calibration, foreign_cpu_cores: float | None) -> float:
+    """How much faster the engine computed in a cell than when it calibrated: its share of the machine's cores in
+    each, (N - f_cell) / (N - f_cal), from the CPU the machine's other processes took (`foreign_cpu_cores`).
+
+    Why: the bench's machine may be shared. Calibrating, the engine keeps the fastest of its samples, and still
+    measures at whatever load the other processes put on the cores at that time; a cell minutes later runs at
+    another. On two cores one busy neighbour halves the engine's speed, and the replay, applying one calibration
+    to every cell, was off by as much in every cell of such a run. Only where the model computes on every core
+    (`shared`): with `gpu-node` its threads are bound to cores of their own and the kernel puts other work on
+    the host cores first, so their load says little about the model's. 1.0 where a reading is missing."""
+    n, f_cal = cal.machine_cpus, cal.foreign_cpu_cores
+    if not cal.shared_cores or not n or f_cal is None or foreign_cpu_cores is None:
+        return 1.0
+    most = n - MIN_ENGINE_CORES
+    return (n - min(foreign_cpu_cores, most)) / (n - min(f_cal, most))
+
+
+def at_speed(dep: Deployment, k: float) -> Deployment:
+    """The calibrated CPU computing `k` times as fast: every cost the engine's cores pay (compute, memory reads,
+    copies into the engine, the per-step and per-sequence work) divided by k."""
+    if k == 1.0:
+        return dep
+    a = dep.accelerator
+    faster = replace(a, flops=a.flops * k, hbm_bw=a.hbm_bw * k, host_link_bw=a.host_link_bw * k,
+                     step_overhead_s=a.step_overhead_s / k, seq_overhead_s=a.seq_overhead_s / k)  # fmt: skip
+    return replace(dep, accelerator=faster)
+
+
 def replay_cells(
-    cal: Calibration, workload: BenchWorkload, modes: list[str], concurrencies: list[int]
+    cal: Calibration,
+    workload: BenchWorkload,
+    modes: list[str],
+    concurrencies: list[int],
+    foreign_cpu_cores: dict[tuple[str, int], float | None] | None = None,
 ) -> dict[tuple[str, int], SimResult]:
     """The replay of each (mode, concurrency) cell of the bench: its sessions on the calibrated engine.
 
@@ -339,9 +391,10 @@ def replay_cells(
     tier starts empty (`dram` mode: with every prelude chunk), new chunks written through; the levels in the
     run's order on that same store (so a level finds in DRAM what the levels before it left there, the shared
     system prompt among it), each with a fresh engine prefix cache (the engine's KV as vLLM's block pool: that
-    cache is what its free blocks still hold).
+    cache is what its free blocks still hold). Each cell runs at the speed the machine's other processes left the
+    engine in it (`speed_factor`, from `foreign_cpu_cores` by cell; none given: the calibration's).
     """
-    dep = cpu_deployment(cal)
+    calibrated = cpu_deployment(cal)
     size = cal.chunk_tokens
     prelude = [b for s in workload.prelude for t in s.turns for b in chunk_ids(t.tokens, size)]
     dram_blocks = int(cal.dram_bytes // cal.chunk_bytes) if cal.dram_bytes else None
@@ -349,12 +402,14 @@ def replay_cells(
     out = {}
     for mode in modes:
         policy = BENCH_MODES[mode]
-        tiers = (
-            TierSpec("dram", None if policy is Policy.DRAM else dram_blocks, dep.accelerator.host_link_bw),
-            TierSpec("disk", None, cal.disk_read_gbps * 1e9, MEASURED_DISK_LATENCY_S),
-        )
         stored = {"disk": prelude} | ({"dram": prelude} if policy is Policy.DRAM else {})
         for c, requests in levels.items():
+            k = speed_factor(cal, (foreign_cpu_cores or {}).get((mode, c)))
+            dep = at_speed(calibrated, k)
+            tiers = (
+                TierSpec("dram", None if policy is Policy.DRAM else dram_blocks, dep.accelerator.host_link_bw),
+                TierSpec("disk", None, cal.disk_read_gbps * 1e9, MEASURED_DISK_LATENCY_S),
+            )
             config = SimConfig(
                 dep,
                 policy,
@@ -365,8 +420,9 @@ def replay_cells(
                 block_tokens=size,
                 engine_block_pool=True,
                 sync_loads_in_step=True,
-                request_overhead_s=request_overhead(cal, dep.accelerator.step_overhead_s),
-                io_cpu_s_per_byte=charged_io_cpu(cal),
+                request_overhead_s=request_overhead(cal, calibrated.accelerator.step_overhead_s) / k,
+                io_cpu_s_per_byte=charged_io_cpu(cal) / k,
+                io_cpu_on_loads=not load_path_measured(cal),
                 engine_block_tokens=cal.engine_block_tokens,
             )
             sim = Simulator(config, requests)
@@ -388,7 +444,8 @@ def predict_bench(results: BenchResults | dict) -> list[dict]:
     levels = sorted({r.concurrency for r in rows})
     if not modes:
         return []
-    replays = replay_cells(cal, rebuild_workload(results), modes, levels)
+    foreign = {(r.mode, r.concurrency): r.foreign_cpu_cores for r in rows}
+    replays = replay_cells(cal, rebuild_workload(results), modes, levels, foreign)
     out = []
     for (mode, c), replay in sorted(replays.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         row = next((r for r in rows if r.mode == mode and r.concurrency == c), None)

@@ -119,10 +119,15 @@ def _print_calibration(runs: list[BenchResults]) -> None:
         return
     each = ", ".join(
         "-" if c.io_cpu_s_per_byte is None
-        else f"{charged_io_cpu(c) * 1e9:.2f}" + ("" if c.io_on_model_cores else " (gpu-node: cores of their own)")
+        else f"{charged_io_cpu(c) * 1e9:.2f}" + ("" if c.shared_cores else " (gpu-node: cores of their own)")
         for c in cals
     )  # fmt: skip
     console.print(f"connector CPU per byte moved, charged to the steps: {each} ns/B (each run's prelude)")
+    busy = [c for c in cals if c.shared_cores and c.foreign_cpu_cores is not None and c.machine_cpus]
+    if busy:
+        took = ", ".join(f"{c.foreign_cpu_cores:.2f} of {c.machine_cpus}" for c in busy)
+        console.print(f"other processes took {took} cores while the engine calibrated: each cell is replayed at the "
+                      "engine's share of the cores in that cell (its row's foreign_cpu_cores)")
 
 
 def _step_checks(results_paths: list[Path], runs: list[BenchResults]) -> list:

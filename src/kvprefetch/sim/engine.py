@@ -53,6 +53,8 @@ class SimConfig:
     `io_cpu_s_per_byte`: where the KV moves by CPU copies on the cores that also compute (our CPU bench), every
     byte moved (storage -> DRAM, DRAM -> engine, and each tier a saved block is written to) delays the next
     step by this long. 0 where DMA engines move it (GPUs): transfers then only take time on their pipes.
+    `io_cpu_on_loads`: whether the DRAM -> engine copies pay it too; False where the host link's rate was measured
+    as the whole load path, its CPU included (the bench replay's calibration: `calibration.load_path_measured`).
     `engine_block_tokens`: the engine's own KV block size where it is smaller than `block_tokens` (vLLM's, 128
     on CPU, 16 on GPU): turns of a session extend the previous turn's prompt, and the engine's prefix cache
     holds that prompt to its last whole engine block, not only to its last whole `block_tokens` block.
@@ -73,6 +75,7 @@ class SimConfig:
     request_overhead_s: float = 0.0
     sync_loads_in_step: bool = False
     io_cpu_s_per_byte: float = 0.0
+    io_cpu_on_loads: bool = True
     engine_block_tokens: int | None = None
     io_depth: int = IOConfig.model_fields["threads"].default
 
@@ -452,7 +455,9 @@ class Simulator:
                 cache.insert(b)
 
     def _bytes_moved(self) -> float:
-        return self.host.bytes_moved + sum(p.bytes_moved for p in self.pipes.values()) + self.saved_bytes
+        """Bytes moved so far whose CPU the steps pay (`io_cpu_s_per_byte`)."""
+        loads = self.host.bytes_moved if self.cfg.io_cpu_on_loads else 0.0
+        return loads + sum(p.bytes_moved for p in self.pipes.values()) + self.saved_bytes
 
     def _io_delay(self) -> float:
         """CPU time of the copies and I/O issued since the last step, which this step pays (io_cpu_s_per_byte)."""

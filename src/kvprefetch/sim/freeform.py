@@ -16,6 +16,7 @@ from kvprefetch.sim.calibration import (
     charged_io_cpu,
     cpu_deployment,
     load_bench_calibration,
+    load_path_measured,
     request_overhead,
 )
 from kvprefetch.sim.catalog import ACCELERATORS, MODELS, STORAGE, lookup
@@ -128,6 +129,7 @@ class Setup:
         return {
             "request_overhead_s": request_overhead(cal, dep.accelerator.step_overhead_s),
             "io_cpu_s_per_byte": charged_io_cpu(cal),
+            "io_cpu_on_loads": not load_path_measured(cal),
             "engine_block_tokens": cal.engine_block_tokens,
         }
 
