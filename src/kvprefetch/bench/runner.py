@@ -276,6 +276,33 @@ class Bench:
         self.engine_block_tokens: int | None = None  # vLLM's KV block size, from the populate engine
         self.calibrate_args: dict[str, int] = {}
         self.mode_calibrations: dict[str, dict] = {}  # the simulated modes' engines, each after its cells
+        # What the options decide, before anything runs
+        o = opts
+        self.model = resolve_model(o.model, o.engine_args)
+        self.max_num_seqs = int(o.engine_args.get("max_num_seqs") or o.max_num_seqs or max(o.concurrency))
+        self.cuda = self.model.device == "cuda"
+        tp = int(o.engine_args.get("tensor_parallel_size") or 1)
+        self.topology = plan_topology(o.topology if not self.cuda else "shared", tp)
+        self.workload = build_workload(o, self.model.vocab_size, self.model.bytes_per_token)
+        w = self.workload
+        self.max_model_len = min(
+            _round_up(w.max_len() + 64, 256), int(self.model.config.get("max_position_embeddings", 1 << 30))
+        )
+        self.kv_cache_bytes = int(
+            o.kv_cache_bytes or default_engine_kv_tokens(w.max_len()) * self.model.bytes_per_token
+        )
+        self.sizing = self._store_sizing()
+        self.modes = [m for m in o.modes if m in MODES]
+        self.avail = {m: availability(m, self.cuda, o.remote_backend) for m in self.modes}
+        self.running = [m for m in self.modes if self.avail[m][0]]
+        # Filled as the run goes
+        self.work = Path()  # the run's temp dir (run)
+        self.wfile = ""  # its workload file
+        self.regime: dict[str, Any] = {"asked": o.regime if o.regime is not None else "native",
+                                       "whitepaper_r2": whitepaper_r2().sentence()}  # fmt: skip
+        self.populate_info: dict[str, Any] = {}
+        self.placement: dict[str, Any] = {}  # which cores the populating engine's threads were seen on
+        self.chunk_bytes = 0
 
     # -- helpers ------------------------------------------------------------------------------------------------
     def _spec(self, kv_transfer: dict | None, *, cgroup: str | None, env: dict | None = None) -> dict:
@@ -310,161 +337,174 @@ class Bench:
 
     # -- main -----------------------------------------------------------------------------------------------------
     def run(self) -> dict:
+        """Populate the store and measure the regime (phase 1), run every mode's cells round by round (phase 2),
+        and assemble results.json's content."""
         o = self.o
         t_start = time.time()
-        self.model = resolve_model(o.model, o.engine_args)
-        self.max_num_seqs = int(o.engine_args.get("max_num_seqs") or o.max_num_seqs or max(o.concurrency))
-        self.cuda = self.model.device == "cuda"
-        tp = int(o.engine_args.get("tensor_parallel_size") or 1)
-        self.topology = plan_topology(o.topology if not self.cuda else "shared", tp)
-        self.workload = build_workload(o, self.model.vocab_size, self.model.bytes_per_token)
-        w = self.workload
-        chunk = o.chunk_tokens
-        self.max_model_len = min(
-            _round_up(w.max_len() + 64, 256), int(self.model.config.get("max_position_embeddings", 1 << 30))
-        )
-        longest = w.max_len()
-        self.kv_cache_bytes = int(o.kv_cache_bytes or default_engine_kv_tokens(longest) * self.model.bytes_per_token)
         base = Path(o.cache_dir or tempfile.gettempdir())
         base.mkdir(parents=True, exist_ok=True)
         self.work = Path(tempfile.mkdtemp(prefix="kvprefetch-bench-", dir=base))
-        (self.work / "workload.json").write_text(json.dumps(w.to_json()))
+        (self.work / "workload.json").write_text(json.dumps(self.workload.to_json()))
         self.wfile = str(self.work / "workload.json")
         populated = self.work / "populated"
-        reuse = reuse_summary(w, chunk)
-
-        modes = [m for m in o.modes if m in MODES]
-        avail = {m: availability(m, self.cuda, o.remote_backend) for m in modes}
-        running = [m for m in modes if avail[m][0]]
-        est_tps = 3000.0
-        self.p.plan(25 + 15 + w.prelude_tokens() / est_tps + 20)
-        for m in running:
-            calibrate = CALIBRATE_EST_S if m in BENCH_MODES and o.calibrate_modes else 0.0
-            rounds = 1 if m in TWO_INSTANCE_MODES else o.repeats * (1 + len(o.sweep))
-            self.p.plan(25 * (2 if m in TWO_INSTANCE_MODES else 1) + calibrate
-                        + rounds * sum(self._cell_estimate(m, c, est_tps) for c in o.concurrency))  # fmt: skip
-
+        self._plan_progress()
         throttled = any(r is not None for r in (o.regime, *o.sweep))
         throttle, why = make_throttle(self.work, f"kvb-{self.run_id}") if throttled else (None, "regime native")
-        regime: dict[str, Any] = {"asked": o.regime if o.regime is not None else "native",
-                                  "whitepaper_r2": whitepaper_r2().sentence()}  # fmt: skip
         try:
-            # ---- phase 1: populate, calibrate, regime --------------------------------------------------------
-            prelude_chunks_est = math.ceil(w.prelude_tokens() / chunk)
-            chunk_bytes_est = chunk * self.model.bytes_per_token
-            # Room for the in-flight requests' KV 3 times over (what prefetching the queue needs), and at
-            # least a quarter of the prelude: enough for prefetch to work, not enough to hold every history.
-            # (twice over: the DRAM holds of a queue's prefetches take their budget out of it)
-            in_flight = math.ceil(3 * max(o.concurrency) * math.ceil(w.max_prompt_tokens() / chunk))
-            dram_default = max(in_flight, 4, math.ceil(prelude_chunks_est / 4)) * (chunk_bytes_est + 8192)
-            self.sizing = StoreSizing(
-                chunk_tokens=chunk,
-                dram_bytes=int(o.dram_bytes or dram_default),
-                disk_bytes=int(max(4 * (prelude_chunks_est + 64) * chunk_bytes_est, 1 << 30)),
-                io_threads=o.io_threads,
-                io_cpus=self.topology.io_cpus(),
-            )
-            pool = f"kvb-{self.run_id}-populate"
-            extra = kvprefetch_extra(self.sizing, populated, pool, prefetch=True) | {"load_policy": "always"}
-            spec = self._spec(
-                {"kv_connector": "KVPrefetchConnector", "kv_connector_module_path": "kvprefetch.vllm",
-                 "kv_role": "kv_both", "kv_connector_extra_config": extra},
-                cgroup=str(throttle.path) if throttle else None,
-            )  # fmt: skip
-            eng = self._start("populate", spec)
-            try:
-                self.p.update("measuring prefill speed")
-                self.calibrate_args = {"prompt_tokens": max(chunk, round(w.mean_prompt_tokens())), "repeats": 5,
-                                       "decode_tokens": 32, "vocab": self.model.vocab_size}  # fmt: skip
-                cal = eng.call("calibrate", **self.calibrate_args)
-                tps = float(cal["prefill_tokens_per_s"])
-                if o.trace is not None and o.trace.use_timestamps and o.trace.utilisation:
-                    factor = apply_utilisation(w, tps, o.trace.utilisation)
-                    (self.work / "workload.json").write_text(json.dumps(w.to_json()))
-                    self.log(f"trace times x {factor or 1:.3g}: recomputing each level would keep the engine "
-                             f"{100 * o.trace.utilisation:.0f}% busy at {tps:,.0f} prefill tokens/s")
-                self.p.update(f"prefill {tps:,.0f} tok/s; populating the store", 15)
-                res = eng.call("run", file=self.wfile, level="prelude", concurrency=max(o.concurrency),
-                               flush=True, tag="prelude", timeout_s=o.cell_timeout_s)  # fmt: skip
-                prelude = cell_metrics(res)
-                if prelude["errors"]:
-                    self.notes.append(f"prelude: {prelude['errors']} requests failed ({prelude['error_samples']})")
-                self.p.update("measuring disk reads", w.prelude_tokens() / est_tps)
-                counters = eng.call("counters")
-                placement = eng.call("placement")
-                geometry = eng.call("geometry")
-                geo_chunk_bytes = int(geometry.get("chunk_bytes") or chunk_bytes_est)
-                self.engine_block_tokens = geometry.get("block_size")
-                native = eng.call("disk_bandwidth", max_chunks=128, seconds=8.0)
-                regime |= {"prefill_tokens_per_s": tps, "decode_step_s": cal.get("decode_step_s"),
-                           "calibration_foreign_cpu_cores": cal.get("foreign_cpu_cores"),
-                           "chunk_tokens": chunk, "chunk_bytes": geo_chunk_bytes,
-                           "native_read_bps": native["bps"],
-                           "native_regime": measured_regime(tps, chunk, geo_chunk_bytes, native["bps"])
-                           if native["bps"] else None}  # fmt: skip
-                if o.regime is not None:
-                    bps = target_bps(o.regime, geo_chunk_bytes / chunk, tps)
-                    regime["target_read_bps"] = bps
-                    if throttle is not None:
-                        throttle.set(bps)
-                        regime["enforced_by"] = f"{throttle.kind} {throttle.device} ({throttle.path})"
-                        probe = eng.call("disk_bandwidth", max_chunks=256, seconds=8.0)
-                    else:
-                        self.sizing.read_rate_limit_bps = bps
-                        regime["enforced_by"] = f"kvprefetch I/O engine read_rate_limit_bps (kernel: {why})"
-                        probe = eng.call("disk_bandwidth", max_chunks=256, seconds=8.0, rate_limit_bps=bps)
-                    regime["read_bps"] = probe["bps"]
-                    regime["measured"] = (
-                        measured_regime(tps, chunk, geo_chunk_bytes, probe["bps"]) if probe["bps"] else None
-                    )
-                else:
-                    regime |= {"enforced_by": "none", "read_bps": native["bps"], "measured": regime["native_regime"]}
-                self.sizing.prefill_tps_prior = tps
-                self.sizing.disk_bps_prior = regime.get("read_bps")
-                self.sweep = self._probe_sweep(eng, throttle, tps, geo_chunk_bytes, native, regime)
-                self.p.update("populated", 20)
-            finally:
-                eng.close()
-                _remove_pool(pool)
-            populate_info = {"prelude": {k: v for k, v in prelude.items() if k != "ttft_samples_s"},
-                             "calibration": cal, "chunks_on_disk": self._count_chunks(populated),
-                             "store_counters": counters.get("store")}  # fmt: skip
-            self.chunk_bytes = regime["chunk_bytes"]
-
-            # ---- phase 2: modes, round by round -----------------------------------------------------------------
-            for m in modes:
-                if not avail[m][0]:
-                    for c in o.concurrency:
-                        self._add_row({"mode": m, "concurrency": c, "status": "unavailable", "reason": avail[m][1]})
-            opened: dict[str, _ModeEngine] = {}
-            try:
-                for m in running:
-                    if m not in TWO_INSTANCE_MODES and (me := self._open_mode(m, populated, throttle, tps)):
-                        opened[m] = me
-                for label, bps in [(regime["asked"], regime.get("target_read_bps")), *self.sweep]:
-                    self.regime_label = label
-                    if throttle is not None:
-                        throttle.set(bps)
-                    for k in range(o.repeats):
-                        for m, me in opened.items():
-                            where = f" (round {k + 1} of {o.repeats})" if o.repeats > 1 else ""
-                            if self.sweep:
-                                where += f", regime {label}"
-                            self._run_cells(m, tps, where, lambda c, me=me, k=k: self._mode_cell(me, c, k), k)
-            except BaseException:  # a failure or SIGINT/SIGTERM: close the engines now, without calibrating them
-                for me in opened.values():
-                    self._close_mode(me, calibrate=False)
-                raise
-            for me in opened.values():
-                self._close_mode(me)
-            for m in running:
-                if m in TWO_INSTANCE_MODES:  # two engines each: run after the others, one round
-                    self._run_two_instance(m, populated, throttle, tps)
+            tps = self._populate(populated, throttle, why)
+            self._run_modes(populated, throttle, tps)
         finally:
             if throttle is not None:
                 throttle.remove()
             _remove_pool(f"kvb-{self.run_id}-")  # every pool of this run, whichever step was interrupted
         self.p.update("done", self.p.total)
+        results = self._assemble(t_start)
+        if not o.keep_cache:
+            shutil.rmtree(self.work, ignore_errors=True)
+        return results
+
+    def _store_sizing(self) -> StoreSizing:
+        o, w, chunk = self.o, self.workload, self.o.chunk_tokens
+        prelude_chunks_est = math.ceil(w.prelude_tokens() / chunk)
+        chunk_bytes_est = chunk * self.model.bytes_per_token
+        # Room for the in-flight requests' KV 3 times over (what prefetching the queue needs), and at least a
+        # quarter of the prelude: enough for prefetch to work, not enough to hold every history. (twice over: the
+        # DRAM holds of a queue's prefetches take their budget out of it)
+        in_flight = math.ceil(3 * max(o.concurrency) * math.ceil(w.max_prompt_tokens() / chunk))
+        dram_default = max(in_flight, 4, math.ceil(prelude_chunks_est / 4)) * (chunk_bytes_est + 8192)
+        return StoreSizing(
+            chunk_tokens=chunk,
+            dram_bytes=int(o.dram_bytes or dram_default),
+            disk_bytes=int(max(4 * (prelude_chunks_est + 64) * chunk_bytes_est, 1 << 30)),
+            io_threads=o.io_threads,
+            io_cpus=self.topology.io_cpus(),
+        )
+
+    def _plan_progress(self) -> None:
+        o, w = self.o, self.workload
+        est_tps = 3000.0
+        self.p.plan(25 + 15 + w.prelude_tokens() / est_tps + 20)
+        for m in self.running:
+            calibrate = CALIBRATE_EST_S if m in BENCH_MODES and o.calibrate_modes else 0.0
+            rounds = 1 if m in TWO_INSTANCE_MODES else o.repeats * (1 + len(o.sweep))
+            self.p.plan(25 * (2 if m in TWO_INSTANCE_MODES else 1) + calibrate
+                        + rounds * sum(self._cell_estimate(m, c, est_tps) for c in o.concurrency))  # fmt: skip
+
+    # ---- phase 1: populate, calibrate, regime ------------------------------------------------------------------
+    def _populate(self, populated: Path, throttle, why: str) -> float:
+        """One engine fills the disk tier with the prelude, measures the engine's speeds, the native disk and the
+        throttled one (the regime), and the sweep's regimes; returns the prefill speed (tokens/s)."""
+        o, w, chunk = self.o, self.workload, self.o.chunk_tokens
+        pool = f"kvb-{self.run_id}-populate"
+        extra = kvprefetch_extra(self.sizing, populated, pool, prefetch=True) | {"load_policy": "always"}
+        spec = self._spec(
+            {"kv_connector": "KVPrefetchConnector", "kv_connector_module_path": "kvprefetch.vllm",
+             "kv_role": "kv_both", "kv_connector_extra_config": extra},
+            cgroup=str(throttle.path) if throttle else None,
+        )  # fmt: skip
+        eng = self._start("populate", spec)
+        try:
+            self.p.update("measuring prefill speed")
+            self.calibrate_args = {"prompt_tokens": max(chunk, round(w.mean_prompt_tokens())), "repeats": 5,
+                                   "decode_tokens": 32, "vocab": self.model.vocab_size}  # fmt: skip
+            cal = eng.call("calibrate", **self.calibrate_args)
+            tps = float(cal["prefill_tokens_per_s"])
+            if o.trace is not None and o.trace.use_timestamps and o.trace.utilisation:
+                factor = apply_utilisation(w, tps, o.trace.utilisation)
+                (self.work / "workload.json").write_text(json.dumps(w.to_json()))
+                self.log(f"trace times x {factor or 1:.3g}: recomputing each level would keep the engine "
+                         f"{100 * o.trace.utilisation:.0f}% busy at {tps:,.0f} prefill tokens/s")
+            self.p.update(f"prefill {tps:,.0f} tok/s; populating the store", 15)
+            res = eng.call("run", file=self.wfile, level="prelude", concurrency=max(o.concurrency),
+                           flush=True, tag="prelude", timeout_s=o.cell_timeout_s)  # fmt: skip
+            prelude = cell_metrics(res)
+            if prelude["errors"]:
+                self.notes.append(f"prelude: {prelude['errors']} requests failed ({prelude['error_samples']})")
+            self.p.update("measuring disk reads", w.prelude_tokens() / 3000.0)
+            counters = eng.call("counters")
+            self.placement = eng.call("placement")
+            geometry = eng.call("geometry")
+            self.engine_block_tokens = geometry.get("block_size")
+            self.chunk_bytes = int(geometry.get("chunk_bytes") or chunk * self.model.bytes_per_token)
+            self._measure_regime(eng, throttle, why, cal, tps)
+            self.sweep = self._probe_sweep(eng, throttle, tps, self.chunk_bytes, self.regime)
+            self.p.update("populated", 20)
+        finally:
+            eng.close()
+            _remove_pool(pool)
+        self.populate_info = {"prelude": {k: v for k, v in prelude.items() if k != "ttft_samples_s"},
+                              "calibration": cal, "chunks_on_disk": self._count_chunks(populated),
+                              "store_counters": counters.get("store")}  # fmt: skip
+        return tps
+
+    def _measure_regime(self, eng: EngineProcess, throttle, why: str, cal: dict, tps: float) -> None:
+        """The native disk rate, then the asked regime's throttle set and measured (the regime obtained)."""
+        o, chunk, chunk_bytes, regime = self.o, self.o.chunk_tokens, self.chunk_bytes, self.regime
+        native = eng.call("disk_bandwidth", max_chunks=128, seconds=8.0)
+        regime |= {"prefill_tokens_per_s": tps, "decode_step_s": cal.get("decode_step_s"),
+                   "calibration_foreign_cpu_cores": cal.get("foreign_cpu_cores"),
+                   "chunk_tokens": chunk, "chunk_bytes": chunk_bytes,
+                   "native_read_bps": native["bps"],
+                   "native_regime": measured_regime(tps, chunk, chunk_bytes, native["bps"])
+                   if native["bps"] else None}  # fmt: skip
+        if o.regime is not None:
+            bps = target_bps(o.regime, chunk_bytes / chunk, tps)
+            regime["target_read_bps"] = bps
+            if throttle is not None:
+                throttle.set(bps)
+                regime["enforced_by"] = f"{throttle.kind} {throttle.device} ({throttle.path})"
+                probe = eng.call("disk_bandwidth", max_chunks=256, seconds=8.0)
+            else:
+                self.sizing.read_rate_limit_bps = bps
+                regime["enforced_by"] = f"kvprefetch I/O engine read_rate_limit_bps (kernel: {why})"
+                probe = eng.call("disk_bandwidth", max_chunks=256, seconds=8.0, rate_limit_bps=bps)
+            regime["read_bps"] = probe["bps"]
+            regime["measured"] = measured_regime(tps, chunk, chunk_bytes, probe["bps"]) if probe["bps"] else None
+        else:
+            regime |= {"enforced_by": "none", "read_bps": native["bps"], "measured": regime["native_regime"]}
+        self.sizing.prefill_tps_prior = tps
+        self.sizing.disk_bps_prior = regime.get("read_bps")
+
+    # ---- phase 2: modes, round by round ------------------------------------------------------------------------
+    def _run_modes(self, populated: Path, throttle, tps: float) -> None:
+        """Every mode's engine opened at once on its copy of the populated store, then each regime's rounds, the
+        modes interleaved within a round; the two-instance modes last (two engines each, one round)."""
+        o = self.o
+        for m in self.modes:
+            if not self.avail[m][0]:
+                for c in o.concurrency:
+                    self._add_row({"mode": m, "concurrency": c, "status": "unavailable", "reason": self.avail[m][1]})
+        opened: dict[str, _ModeEngine] = {}
+        try:
+            for m in self.running:
+                if m not in TWO_INSTANCE_MODES and (me := self._open_mode(m, populated, throttle, tps)):
+                    opened[m] = me
+            for label, bps in [(self.regime["asked"], self.regime.get("target_read_bps")), *self.sweep]:
+                self.regime_label = label
+                if throttle is not None:
+                    throttle.set(bps)
+                for k in range(o.repeats):
+                    for m, me in opened.items():
+                        where = f" (round {k + 1} of {o.repeats})" if o.repeats > 1 else ""
+                        if self.sweep:
+                            where += f", regime {label}"
+                        self._run_cells(m, tps, where, lambda c, me=me, k=k: self._mode_cell(me, c, k), k)
+        except BaseException:  # a failure or SIGINT/SIGTERM: close the engines now, without calibrating them
+            for me in opened.values():
+                self._close_mode(me, calibrate=False)
+            raise
+        for me in opened.values():
+            self._close_mode(me)
+        for m in self.running:
+            if m in TWO_INSTANCE_MODES:
+                self._run_two_instance(m, populated, throttle, tps)
+
+    # ---- results ------------------------------------------------------------------------------------------------
+    def _assemble(self, t_start: float) -> dict:
+        o, w, chunk, regime, avail, modes = (self.o, self.workload, self.o.chunk_tokens, self.regime, self.avail,
+                                             self.modes)  # fmt: skip
+        reuse = reuse_summary(w, chunk)
+        populate_info, placement = self.populate_info, self.placement
         results = {
             SCHEMA_KEY: SCHEMA_VERSION,
             "started": dt.datetime.fromtimestamp(t_start).isoformat(timespec="seconds"),
@@ -506,11 +546,9 @@ class Bench:
             "rows": aggregate(self.runs),
             "runs": self.runs,
         }
-        if not o.keep_cache:
-            shutil.rmtree(self.work, ignore_errors=True)
         return results
 
-    def _probe_sweep(self, eng: EngineProcess, throttle, tps: float, chunk_bytes: int, native: dict,
+    def _probe_sweep(self, eng: EngineProcess, throttle, tps: float, chunk_bytes: int,
                      regime: dict) -> list[tuple[float | str, int | None]]:  # fmt: skip
         """The further regimes of a sweep, each set on the kernel throttle and measured with the populating
         engine's cold reads; the throttle is then set back to the run's regime. A sweep needs the kernel
@@ -524,7 +562,8 @@ class Bench:
             bps = None if r is None else target_bps(r, chunk_bytes / self.o.chunk_tokens, tps)
             if throttle is not None:
                 throttle.set(bps)
-            probe = native if r is None else eng.call("disk_bandwidth", max_chunks=256, seconds=8.0)
+            probe = ({"bps": regime.get("native_read_bps")} if r is None
+                     else eng.call("disk_bandwidth", max_chunks=256, seconds=8.0))  # fmt: skip
             measured = measured_regime(tps, self.o.chunk_tokens, chunk_bytes, probe["bps"]) if probe["bps"] else None
             self.sweep_info.append({"asked": label, "target_read_bps": bps, "read_bps": probe["bps"],
                                     "measured": measured})  # fmt: skip
