@@ -105,6 +105,15 @@ class Engines:
                 io={"read_rate_limit_bps": 4_000_000}, load_margin=1.0,
             )
             return base | {"kv_transfer_config": connector_config(extra)}
+        if name == "auto_slow_disk":
+            # prefetch with load_mode auto over a disk throttled to 1.5 MB/s: a 4-chunk prefetch takes ~2.8 s, so
+            # the scheduler reaches its request (at once: the engine is idle) while every read is in flight.
+            # load_policy always: this engine tests where the reads finish, not whether loading pays.
+            extra = extra_config(
+                self.disk_dir / "auto", self.pools, load_mode="auto", load_policy="always",
+                io={"read_rate_limit_bps": 1_500_000},
+            )
+            return base | {"kv_transfer_config": connector_config(extra)}
         raise KeyError(name)
 
     def get(self, name: str) -> Engine:

@@ -183,6 +183,22 @@ def test_sync_mode_dram_and_disk_hits(engines):
     assert after["cost"]["disk_samples"] >= 1 and after["cost"]["disk_bps"] < 20e6, after["cost"]
 
 
+def test_a_late_prefetch_on_an_idle_engine_finishes_in_the_step_instead_of_parking(engines):
+    """load_mode auto: a request reached while its prefetch is still reading is not parked for a step when
+    nobody else runs (parking would only add a step to its wait): its reads finish inside the step that
+    prefills it, joined by the worker, and its tokens are those of recomputing it."""
+    e = engines.get("auto_slow_disk")
+    p = prompt(11, LEN)
+    assert_same(e.generate([p])[0], reference(engines, p))  # miss: computed and saved
+    evict_dram(e, 600)  # on disk only
+    before = e.counters()
+    assert_same(e.generate([p])[0], reference(engines, p))  # prefetched on arrival, reached at once
+    d = delta(e.counters(), before)
+    assert d["prefetch_late"] == 1 and d["finished_in_step"] == 1, sorted(d.items())  # late, finished in the step
+    assert d["sync_loads"] == 1 and d["async_loads"] == 0 and d["worker_loaded_chunks"] == 4, d  # never parked
+    assert d["load_error_chunks"] == 0
+
+
 def test_rule_recomputes_hits_on_a_slow_disk(engines):
     """Never slower than recomputing: with the disk measured slow, a request whose chunks sit on disk is
     recomputed, not loaded, and the counter says so; a DRAM hit is still loaded."""

@@ -193,15 +193,14 @@ class IOEngine:
                 continue
             t0 = time.monotonic()
             limit = self._limits.get(op.tier) if op.cls != IOClass.WRITEBACK else None
-            done_at = limit.reserve(op.nbytes) if limit is not None else None
+            if limit is not None:  # the emulated pipe first: the chunk appears when its transfer would end
+                limit.wait_until(limit.reserve(op.nbytes))
             try:
                 result = op.fn()
             except BaseException as err:  # delivered to every waiter through the future
                 self._finish(op, t0, ok=False)
                 op.future.set_exception(err)
             else:
-                if done_at is not None:
-                    limit.wait_until(done_at)
                 self._finish(op, t0, ok=True)
                 op.future.set_result(result)
 

@@ -211,7 +211,10 @@ class SchedulerSide:
         self._seq = 0
         self._cancel_loads: list[str] = []
         self._last_step_tokens = 0
-        self._last_step_reqs = 0  # requests the last step ran (those a synchronous read would stall)
+        # Requests the last step ran and that have not finished since: those a read inside the next step would
+        # stall (the last step's count alone would still include a request that just finished, on an engine that
+        # is now idle)
+        self._running: set[str] = set()
         # Throughput of the reads this process drives (prefetches); the workers report their own demand reads.
         self.disk_meter = TierMeter(self.cost.observe_disk, clock=clock)
         self.holds = DramHolds(store, int(settings.store.dram.capacity_bytes) // max(chunk_bytes, 1) // 2)
@@ -339,7 +342,7 @@ class SchedulerSide:
         if mode != "auto":
             return k, mode == "async"
         remaining = below * self.cost.chunk_bytes + self._queued_disk_bytes(st)  # (cost.chunk_bytes: every rank's)
-        if self.cost.finish_in_step(remaining, self._last_step_reqs, step_s):
+        if self.cost.finish_in_step(remaining, len(self._running), step_s):
             self.counters.inc("finished_in_step")
             return k, False
         return k, True
@@ -448,7 +451,7 @@ class SchedulerSide:
         ]
         meta.step_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
         self._last_step_tokens = meta.step_tokens
-        self._last_step_reqs = len(getattr(scheduler_output, "num_scheduled_tokens", None) or ())
+        self._running = set(getattr(scheduler_output, "num_scheduled_tokens", None) or ())
         return meta
 
     def _plan_saves(self, so: Any, meta: KVPrefetchMetadata) -> None:
@@ -539,6 +542,7 @@ class SchedulerSide:
 
     # ---- the end --------------------------------------------------------------------------------------------
     def request_finished(self, request: Any) -> bool:
+        self._running.discard(request.request_id)
         st = self.reqs.pop(request.request_id, None)
         if st is None:
             return False
