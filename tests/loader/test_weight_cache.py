@@ -40,7 +40,8 @@ def assert_same(got: dict, want: dict) -> None:
 def test_tensors_are_the_checkpoints_bytes_with_and_without_staging_and_small_blocks(ckpt):
     want = expected(ckpt)
     for settings in (LoaderSettings(staging="auto"), LoaderSettings(block_bytes="64KiB", read_inflight_bytes="128KiB",
-                                                      staging="off", lookahead_shards=0, direct_io=False)):  # fmt: skip
+                                                      staging="off", lookahead_shards=0, direct_io=False,
+                                                      huge_pages=False)):  # fmt: skip
         got, counters = load(ckpt, settings)
         assert_same(got, want)
         assert counters["source_bytes"] == sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
@@ -97,6 +98,26 @@ def test_damaged_cache_reads_the_source_again(ckpt, cache_settings, tmp_path):
     got, counters = load(ckpt, cache_settings(restarted=True))
     assert_same(got, expected(ckpt))
     assert counters["source_bytes"] > 0
+
+
+def test_truncated_or_swapped_cache_files_read_the_source_again(ckpt, cache_settings, tmp_path):
+    """The warm path reads a cached block straight into the shard buffer: a file cut short, or one holding another
+    block (two files swapped), is a miss there, and the block comes from the source."""
+    _, c1 = load(ckpt, cache_settings())
+    files = sorted((tmp_path / "wcache").rglob("*.kv"))
+    assert len(files) >= 3
+    with open(files[0], "r+b") as fh:
+        fh.truncate(files[0].stat().st_size - 4096)
+    a, b = files[1].read_bytes(), files[2].read_bytes()
+    files[1].write_bytes(b)
+    files[2].write_bytes(a)
+    got, c2 = load(ckpt, cache_settings(restarted=True))
+    assert_same(got, expected(ckpt))
+    block = 256 << 10  # cache_settings' block_bytes
+    assert c2["cache_put_bytes"] == 3 * block and c2["cache_bytes"] == c1["cache_put_bytes"] - 3 * block
+    again, c3 = load(ckpt, cache_settings(restarted=True))  # the bad blocks were cached afresh by the second load
+    assert_same(again, expected(ckpt))
+    assert c3["source_bytes"] == 0
 
 
 def test_cache_directory_unusable_at_load_time_degrades_to_the_source(ckpt, cache_settings, tmp_path):

@@ -51,10 +51,10 @@ def loadbench(
     )
     from kvprefetch.bench.hugepages import reserved_huge_pages
 
-    staging = (settings.threads + 4) * (int(settings.block_bytes) + (8 << 20)) * 2  # ours and the cache's buffers
-    with reserved_huge_pages(staging) as huge:
+    with reserved_huge_pages(huge_page_bytes(settings, model)) as huge:
         if not huge:
-            bench.notes.append("no huge pages could be reserved: reads are not staged")
+            bench.notes.append("no huge pages could be reserved: shard buffers and fio's on ordinary pages")
+        bench.huge_pages = huge
         rows = bench.run()
     from kvprefetch.loader.shards import open_checkpoint
 
@@ -96,6 +96,17 @@ def loadbench(
     if json_path is not None:
         json_path.write_text(json.dumps(payload, indent=2) + "\n")
     console.print(f"wrote {out}/results.json and loadbench.png")
+
+
+def huge_page_bytes(settings, model: Path) -> int:
+    """What one pass may hold on huge pages: its shard buffers (the one being copied, the ones read ahead, and one
+    whose last tensor vLLM still holds), its and the cache's staging buffers, and fio's deepest queue."""
+    from kvprefetch.loader.shards import open_checkpoint
+
+    largest = max(s.size for s in open_checkpoint(model).shards)
+    shards = (2 + settings.lookahead_shards) * (largest + (2 << 20))
+    staging = (settings.threads + 4) * (int(settings.block_bytes) + (8 << 20)) * 2
+    return shards + staging + 16 * int(settings.block_bytes)
 
 
 def register(app: typer.Typer) -> None:

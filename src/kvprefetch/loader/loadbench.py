@@ -11,7 +11,8 @@ shared VM drifts, and interleaving spreads the drift over all modes), and each m
     * network        default and ours reading a source throttled to `--network-gbps` by the cgroup read throttle
                      the KV bench uses (`bench.regime`), ours with the weight cache on: the cold load fills it
     kvprefetch warm  ours again, from the weight cache the network pass filled (cache on the local disk)
-    fio              fio's sequential O_DIRECT read of the same files (best queue depth): the device's ceiling
+    fio              fio's sequential O_DIRECT read of the same files (best queue depth and buffer memory, huge
+                     pages included when reserved): the device's ceiling
 """
 
 from __future__ import annotations
@@ -107,8 +108,9 @@ def drop_page_cache() -> bool:
         return False
 
 
-def fio_read_gbps(files: list[Path], block: int, iodepth: int) -> float:
-    """fio's sequential O_DIRECT read of exactly these files, one after the other (libaio, iodepth given)."""
+def fio_read_gbps(files: list[Path], block: int, iodepth: int, iomem: str = "malloc") -> float:
+    """fio's sequential O_DIRECT read of exactly these files, one after the other (libaio, iodepth and buffer
+    memory given: malloc, or mmaphuge for buffers on huge pages)."""
     total = sum(f.stat().st_size for f in files) // block * block
     cmd = [
         "fio",
@@ -119,6 +121,7 @@ def fio_read_gbps(files: list[Path], block: int, iodepth: int) -> float:
         f"--bs={block}",
         f"--iodepth={iodepth}",
         "--ioengine=libaio",
+        f"--iomem={iomem}",
         "--file_service_type=sequential",
         f"--io_size={total}",
         "--readonly",
@@ -158,6 +161,7 @@ class LoadBench:
     extra: dict
     block_bytes: int
     progress: Callable[[str], None] = print
+    huge_pages: bool = False  # huge pages are reserved: fio's sweep tries buffers on them too
     notes: list[str] = field(default_factory=list)
     identity_seconds: dict[str, float] = field(default_factory=dict)
 
@@ -183,7 +187,7 @@ class LoadBench:
         self._measure_identity(ckpt)
         samples: dict[Mode, list[float]] = {m: [] for m in MODES}
         unavailable: dict[Mode, str] = {}
-        fio_depth = self._fio_depth(files, self.block_bytes, unavailable)
+        fio_best = self._fio_sweep(files, self.block_bytes, unavailable)
         log = self.work / "loadbench-passes.log"
         try:
             for r in range(self.repeats):
@@ -196,7 +200,7 @@ class LoadBench:
                     _remove_pool(pool)  # warm-cache reads the local disk cache, not a DRAM pool left over
                     drop_page_cache()
                     if m.load_format is None:
-                        samples[m].append(total / 1e9 / fio_read_gbps(files, fio_depth[0], fio_depth[1]))
+                        samples[m].append(total / 1e9 / fio_read_gbps(files, self.block_bytes, *fio_best))
                         continue
                     if m.regime == "network" and throttle is None:
                         unavailable[m] = why
@@ -240,16 +244,22 @@ class LoadBench:
             "throttled network (a whole read of the source per load): the default identity is the header's"
         )
 
-    def _fio_depth(self, files: list[Path], block: int, unavailable: dict) -> tuple[int, int]:
+    def _fio_sweep(self, files: list[Path], block: int, unavailable: dict) -> tuple[int, str]:
+        """fio's best (iodepth, buffer memory) on these files: the ceiling is the device's best, so fio gets
+        huge-page buffers too when they are reserved (reads land faster there, and ours use them)."""
         if shutil.which("fio") is None:
             unavailable[MODES[0]] = "fio not installed"
-            return block, 1
-        best = (0.0, 1)
-        for depth in (1, 4, 16):
-            drop_page_cache()
-            best = max(best, (fio_read_gbps(files, block, depth), depth))
-        self.notes.append(f"fio: best queue depth {best[1]} ({best[0]:.2f} GB/s in the sweep), block {block >> 20} MiB")
-        return block, best[1]
+            return 1, "malloc"
+        best = (0.0, 1, "malloc")
+        for iomem in ("malloc", "mmaphuge") if self.huge_pages else ("malloc",):
+            for depth in (1, 4, 16):
+                drop_page_cache()
+                best = max(best, (fio_read_gbps(files, block, depth, iomem), depth, iomem))
+        self.notes.append(
+            f"fio: best queue depth {best[1]}, buffers {best[2]}, block {block >> 20} MiB "
+            f"({best[0]:.2f} GB/s in the sweep)"
+        )
+        return best[1], best[2]
 
     def _rows(self, samples: dict[Mode, list[float]], unavailable: dict[Mode, str], total: int) -> list[Row]:
         rows = []

@@ -20,6 +20,7 @@ import time
 from collections.abc import Generator
 
 from kvprefetch.loader.cache import open_cache
+from kvprefetch.loader.prefault import prefaulted
 from kvprefetch.loader.reader import LoadCounters, ShardReader
 from kvprefetch.loader.settings import LoaderSettings
 from kvprefetch.loader.shards import open_checkpoint
@@ -58,6 +59,10 @@ def _loader_class():
             super().__init__(dataclasses.replace(load_config, model_loader_extra_config={}))
             self.load_config = load_config
             self.last_load: LoadCounters | None = None
+
+        def load_weights(self, model, model_config) -> None:
+            with prefaulted(list(model.parameters()) + list(model.buffers())):
+                super().load_weights(model, model_config)
 
         def download_model(self, model_config) -> None:
             open_checkpoint(model_config.model)  # local directories only: verify now, fail early
