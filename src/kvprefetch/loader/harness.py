@@ -6,6 +6,8 @@ Builds the vLLM model for the checkpoint on the CPU (a world of one, no engine: 
 of an engine start), then runs the loader's `load_weights` alone, timed, and prints one JSON line: seconds,
 the loader's counters, and with "hashes": true a blake3 per parameter (what "byte-identical to the default
 loader" is checked with). With "cgroup", the process first joins that cgroup (the bench's read throttle).
+With "tp": {"rank", "size", "init"} it is one rank of a tensor-parallel group (one process per rank, the same
+"init" rendezvous URL), and with "loads": [{model, load_format, ...}, ...] it runs several loads in turn.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ MARK = "@@LOAD "
 
 
 def load_once(model: str, load_format: str, extra: dict | None = None, hashes: bool = False,
-              dtype: str = "auto") -> dict:  # fmt: skip
+              dtype: str = "auto", tp: dict | None = None) -> dict:  # fmt: skip
     import blake3
     import torch
     from vllm.config import set_current_vllm_config
@@ -31,15 +33,19 @@ def load_once(model: str, load_format: str, extra: dict | None = None, hashes: b
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.utils.torch_utils import set_default_torch_dtype
 
+    size = tp["size"] if tp else 1
     args = EngineArgs(model=model, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
-                      load_format=load_format, model_loader_extra_config=extra or {})  # fmt: skip
+                      load_format=load_format, model_loader_extra_config=extra or {},
+                      tensor_parallel_size=size)  # fmt: skip
     cfg = args.create_engine_config()
     with set_current_vllm_config(cfg):
         if not model_parallel_is_initialized():
-            rendezvous = f"file://{tempfile.mktemp(prefix='kvp-dist-')}"
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, distributed_init_method=rendezvous,
-                                         backend="gloo")  # fmt: skip
-            initialize_model_parallel(1, 1)
+            rank = tp["rank"] if tp else 0
+            rendezvous = tp["init"] if tp else f"file://{tempfile.mktemp(prefix='kvp-dist-')}"
+            os.environ.setdefault("VLLM_DIST_IDENT", os.path.basename(rendezvous))  # as vLLM's CPU worker sets it
+            init_distributed_environment(world_size=size, rank=rank, local_rank=rank,
+                                         distributed_init_method=rendezvous, backend="gloo")  # fmt: skip
+            initialize_model_parallel(size, 1)
         loader = get_model_loader(cfg.load_config)
         with set_default_torch_dtype(cfg.model_config.dtype), torch.device("cpu"):
             model = loader.create_model(vllm_config=cfg, model_config=cfg.model_config)
@@ -66,8 +72,10 @@ def main() -> None:
 
     register()  # as the entry point does in an engine; explicit here so a stale install cannot skip it
     try:
-        res = load_once(spec["model"], spec["load_format"], spec.get("extra"), spec.get("hashes", False),
-                        spec.get("dtype", "auto"))  # fmt: skip
+        loads = spec.get("loads") or [spec]  # several loads in one process: one vLLM import, one TP group
+        res = [load_once(s["model"], s["load_format"], s.get("extra"), s.get("hashes", False), s.get("dtype", "auto"),
+                         spec.get("tp")) for s in loads]  # fmt: skip
+        res = res if "loads" in spec else res[0]
     except Exception as err:
         res = {"error": f"{type(err).__name__}: {err}"}
     sys.stdout.write(MARK + json.dumps(res) + "\n")

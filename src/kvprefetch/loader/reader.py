@@ -20,6 +20,7 @@ import logging
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -80,6 +81,7 @@ class LoadCounters:
     """What one load read from where (bytes), for logs, the bench and the tests; updated by the I/O threads."""
 
     source_bytes: int = 0
+    late_bytes: int = 0  # of them, read when vLLM touched them rather than up front (outside a TP plan)
     cache_bytes: int = 0
     cache_put_bytes: int = 0
     huge_page_bytes: int = 0  # shard buffer bytes on reserved huge pages (the rest on ordinary pages)
@@ -96,20 +98,40 @@ class LoadCounters:
             return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
+class _Done:
+    """The ticket of a block read late, in the calling thread: already complete."""
+
+    def result(self) -> None:
+        return None
+
+    def cancel(self) -> bool:
+        return False
+
+
 @dataclass
 class _PendingShard:
     shard: Shard
-    buffer: memoryview
+    buffer: memoryview | None  # None once the shard's tensors are all handed out (see late)
     fd: int
-    tickets: list[IOTicket] = field(default_factory=list)  # one per block, in file order
+    late: weakref.ref  # the buffer's mapping, alive while any tensor of it is: for blocks read late
+    addr: int  # the buffer's address, to find the shard of a tensor seen by ensure()
+    keys: list[bytes] | None = None
+    tickets: list[IOTicket | _Done | None] = field(default_factory=list)  # per block, in file order; None: unread
     waited: int = 0  # blocks known complete
+
+
+Plan = dict[str, frozenset[int]]
+"""Per shard file name, the blocks to read up front (tensor parallelism: the rank's byte ranges)."""
 
 
 class ShardReader:
     """Reads a checkpoint's shards block by block, in parallel; one per load."""
 
-    def __init__(self, settings: LoaderSettings, cache: WeightCache | None = None):
+    def __init__(self, settings: LoaderSettings, cache: WeightCache | None = None, plan: Plan | None = None):
         self.settings = settings
+        self.plan = plan
+        self._shards: list[_PendingShard] = []  # every shard started, for ensure()
+        self._lock = threading.Lock()
         self.block = int(settings.block_bytes)
         self.io = IOEngine(threads=settings.threads, name="kvprefetch-load")
         self.gate = InflightBytes(int(settings.read_inflight_bytes))
@@ -128,15 +150,61 @@ class ShardReader:
         raw, huge = shard_buffer(max(ALIGN, nblocks * self.block), self.settings.huge_pages)
         self.counters.add("huge_page_bytes", len(raw) if huge else 0)
         fd, _ = _open_source(shard.path, self.settings.direct_io)
-        pending = _PendingShard(shard, memoryview(raw), fd)
-        keys = self.cache.block_keys(shard, nblocks) if self.cache is not None else None
+        pending = _PendingShard(shard, memoryview(raw), fd, weakref.ref(raw), address_of(raw))
+        pending.keys = self.cache.block_keys(shard, nblocks) if self.cache is not None else None
+        planned = None if self.plan is None else self.plan.get(shard.path.name)
         for i in range(nblocks):
-            fn = self._block_fn(pending, i, None if keys is None else keys[i])
+            if planned is not None and i not in planned:
+                pending.tickets.append(None)
+                continue
+            fn = self._block_fn(pending, i)
             pending.tickets.append(self.io.submit(SOURCE, IOClass.DEMAND, fn, nbytes=0))
+        self._shards.append(pending)
         return pending
 
-    def _block_fn(self, p: _PendingShard, i: int, key: bytes | None):
+    def ensure(self, lo: int, hi: int) -> bool:
+        """Make sure the bytes at addresses [lo, hi) have landed, if they lie in one of our shard buffers (then
+        True): blocks left out by the plan are read now, in the calling thread. Called before vLLM reads them."""
+        for p in self._shards:
+            raw = p.late()
+            if raw is None or not p.addr <= lo < p.addr + len(raw):
+                continue
+            first, last = (lo - p.addr) // self.block, (min(hi, p.addr + len(raw)) - 1 - p.addr) // self.block
+            for i in range(first, last + 1):
+                if i * self.block >= p.shard.size:
+                    break
+                if p.tickets[i] is not None:
+                    p.tickets[i].result()
+                else:
+                    self._read_late(p, raw, i)
+            return True
+        return False
+
+    def _read_late(self, p: _PendingShard, raw: mmap.mmap, i: int) -> None:
+        with self._lock:
+            if p.tickets[i] is not None:
+                return
+            reopened = p.fd < 0
+            if reopened:
+                p.fd, _ = _open_source(p.shard.path, self.settings.direct_io)
+            had, p.buffer = p.buffer, p.buffer if p.buffer is not None else memoryview(raw)
+            try:
+                self._block_fn(p, i)()
+                self.counters.add("late_bytes", min(self.block, p.shard.size - i * self.block))
+                p.tickets[i] = _Done()
+            finally:
+                if had is None:
+                    p.buffer.release()
+                p.buffer = had
+                if reopened:
+                    os.close(p.fd)
+                    p.fd = -1
+
+    def _block_fn(self, p: _PendingShard, i: int):
+        key = None if p.keys is None else p.keys[i]
+
         def run() -> None:
+            assert p.buffer is not None
             view = p.buffer[i * self.block : (i + 1) * self.block]
             if key is not None and self.cache is not None:
                 with self.gate.admit(self.block):  # the cache is a local disk too: its reads count as in flight
@@ -170,13 +238,17 @@ class ShardReader:
         """Block until every byte of [0, end) of the shard has landed (raises the first read's error)."""
         need = -(-end // self.block)
         while p.waited < need:
-            p.tickets[p.waited].result()
+            ticket = p.tickets[p.waited]
+            if ticket is not None:
+                ticket.result()
             p.waited += 1
 
     def _finish(self, p: _PendingShard) -> None:
         self._wait_through(p, p.shard.size)
-        os.close(p.fd)
-        p.fd = -1
+        with self._lock:
+            os.close(p.fd)
+            p.fd = -1
+            p.buffer = None  # the mapping lives on only while vLLM holds a tensor of it
 
     # ---- tensors -----------------------------------------------------------------------------------------
     def tensors(self, checkpoint: Checkpoint) -> Iterator[tuple[str, object]]:
@@ -194,6 +266,7 @@ class ShardReader:
                 p = started[i]
                 assert p is not None
                 self._wait_through(p, p.shard.data_start)
+                assert p.buffer is not None
                 if bytes(p.buffer[: p.shard.data_start]) != p.shard.header:
                     raise CheckpointError(p.shard.path, "changed while loading: header differs from the one checked")
                 for t in p.shard.tensors:
@@ -207,7 +280,8 @@ class ShardReader:
             for p in started:
                 if p is not None:
                     for t in p.tickets:
-                        t.cancel()
+                        if t is not None:
+                            t.cancel()
                     with contextlib.suppress(BaseException):
                         self._wait_all(p)
                     if p.fd >= 0:
@@ -215,7 +289,7 @@ class ShardReader:
 
     def _wait_all(self, p: _PendingShard) -> None:
         for t in p.tickets:
-            if not t.future.cancelled():
+            if isinstance(t, IOTicket) and not t.future.cancelled():
                 t.future.exception()
 
     def wait_cache(self) -> int:
@@ -236,6 +310,13 @@ class ShardReader:
         self.io.close(wait=False)
         if self.staging is not None:
             self.staging.close()
+
+
+def address_of(buffer) -> int:
+    """The address of a writable buffer's first byte (the export is released before returning)."""
+    import numpy as np
+
+    return int(np.frombuffer(buffer, np.uint8, count=1).ctypes.data)
 
 
 def as_tensor(buffer: memoryview, t: TensorEntry):

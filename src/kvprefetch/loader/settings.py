@@ -37,6 +37,11 @@ class LoaderSettings(BaseModel):
     )
     direct_io: bool = Field(default=True, description="O_DIRECT source reads (no page cache).")
     lookahead_shards: int = Field(default=1, ge=0, le=16, description="Shards read ahead of the one being copied.")
+    tp_ranges: bool = Field(
+        default=True,
+        description="With tensor parallelism, each rank reads only the blocks its weights come from (found by a "
+        "dry run of vLLM's weight loading; see kvprefetch/loader/tp_ranges.py); off: every rank reads everything.",
+    )
     huge_pages: bool = Field(
         default=True,
         description="Shard buffers on the node's reserved 2 MiB pages (vm.nr_hugepages) while enough are free "

@@ -14,6 +14,7 @@ the parameters are exactly the default loader's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -21,7 +22,7 @@ from collections.abc import Generator
 
 from kvprefetch.loader.cache import open_cache
 from kvprefetch.loader.prefault import prefaulted
-from kvprefetch.loader.reader import LoadCounters, ShardReader
+from kvprefetch.loader.reader import LoadCounters, Plan, ShardReader
 from kvprefetch.loader.settings import LoaderSettings
 from kvprefetch.loader.shards import open_checkpoint
 
@@ -50,6 +51,8 @@ def _loader_class():
         return _CLASS
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+    from kvprefetch.loader.tp_ranges import ByteReads, RangePlanner
+
     class KVPrefetchModelLoader(DefaultModelLoader):
         """vLLM's default loader with the weights read by kvprefetch (see the module docstring)."""
 
@@ -59,10 +62,38 @@ def _loader_class():
             super().__init__(dataclasses.replace(load_config, model_loader_extra_config={}))
             self.load_config = load_config
             self.last_load: LoadCounters | None = None
+            self.plan: Plan | None = None
+            self.reader: ShardReader | None = None  # the load in progress (for the TP guard)
+            self._planner: RangePlanner | None = None
 
         def load_weights(self, model, model_config) -> None:
-            with prefaulted(list(model.parameters()) + list(model.buffers())):
+            self.plan = self._plan_ranges(model, model_config)
+            guard = ByteReads(self._ensure) if self.plan is not None else contextlib.nullcontext()
+            with prefaulted(list(model.parameters()) + list(model.buffers())), guard:
                 super().load_weights(model, model_config)
+
+        def _plan_ranges(self, model, model_config) -> Plan | None:
+            """With TP > 1: the blocks this rank's weights come from, found by a dry run (see tp_ranges)."""
+            from vllm.distributed import get_tensor_model_parallel_world_size
+
+            if not self.settings.tp_ranges or get_tensor_model_parallel_world_size() <= 1:
+                return None
+            self._planner = RangePlanner(int(self.settings.block_bytes))
+            try:
+                with ByteReads(self._planner.on_read, skip_copies=True):
+                    model.load_weights(self.get_all_weights(model_config, model))
+                return self._planner.plan()
+            except Exception as err:  # a weight loader that cannot run on stand-ins: read everything
+                log.warning("kvprefetch loader: no per-rank byte ranges (dry run failed: %s); reading whole shards",
+                            err)  # fmt: skip
+                return None
+            finally:
+                self._planner = None
+                self.counter_before_loading_weights = 0.0
+
+        def _ensure(self, lo: int, hi: int) -> bool:
+            reader = self.reader
+            return reader is not None and reader.ensure(lo, hi)
 
         def download_model(self, model_config) -> None:
             open_checkpoint(model_config.model)  # local directories only: verify now, fail early
@@ -71,23 +102,31 @@ def _loader_class():
             directory = source.model_or_path
             if source.subfolder is not None:
                 directory = f"{directory}/{source.subfolder}"
+            if self._planner is not None:  # the dry run
+                for name, tensor in self._planner.weights(directory):
+                    yield source.prefix + name, tensor
+                return
             if self.counter_before_loading_weights == 0.0:
                 self.counter_before_loading_weights = time.perf_counter()
-            for name, tensor in iterate_weights(directory, self.settings, self):
+            for name, tensor in iterate_weights(directory, self.settings, self, self.plan):
                 yield source.prefix + name, tensor
 
     _CLASS = KVPrefetchModelLoader
     return _CLASS
 
 
-def iterate_weights(directory, settings: LoaderSettings, owner=None) -> Generator[tuple[str, object], None, None]:
+def iterate_weights(directory, settings: LoaderSettings, owner=None, plan: Plan | None = None
+                    ) -> Generator[tuple[str, object], None, None]:  # fmt: skip
     """Every (name, tensor) of the checkpoint, verified first, read by ShardReader, cached if configured.
 
-    With `owner`, its `last_load` gets this load's counters (bytes from the source and from the cache).
+    With `owner`, its `last_load` gets this load's counters (bytes from the source and from the cache), and its
+    `reader` is the reader while the load runs. With `plan`, only the planned blocks are read up front.
     """
     checkpoint = open_checkpoint(directory)
     cache = open_cache(settings)
-    reader = ShardReader(settings, cache)
+    reader = ShardReader(settings, cache, plan)
+    if owner is not None:
+        owner.reader = reader
     t0 = time.perf_counter()
     try:
         yield from reader.tensors(checkpoint)
@@ -99,6 +138,8 @@ def iterate_weights(directory, settings: LoaderSettings, owner=None) -> Generato
         if owner is not None:
             owner.last_load = reader.counters
     finally:
+        if owner is not None:
+            owner.reader = None
         reader.close()
         if cache is not None:
             cache.close()
