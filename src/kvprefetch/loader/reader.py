@@ -1,11 +1,13 @@
 """Shards into memory at storage speed, tensors out as soon as their bytes are in.
 
-A shard is read into one page-aligned buffer in blocks, by the I/O engine's threads, with O_DIRECT (no page
-cache: the bytes are read once and kept by the model, so caching them only evicts something else), through
-the disk tier's read path (huge-page staging buffers, bytes on the device capped as `kvprefetch iobench` tunes
-`disk.read_inflight_bytes`). Tensors are handed out in file order as soon as the blocks under them have
-landed, so vLLM copies the first tensors into the model while later blocks are still being read, and the next
-shard's reads start before the current shard's tensors are handed out.
+A shard is read into one page-aligned buffer (on reserved huge pages when the node has them: `shard_buffer`)
+in blocks, by the I/O engine's threads, with O_DIRECT (no page cache: the bytes are read once and kept by the
+model, so caching them only evicts something else), through the disk tier's read path (bytes on the device
+capped as `kvprefetch iobench` tunes `disk.read_inflight_bytes`; optional staging buffers). Tensors are handed
+out in file order as soon as the blocks under them have landed, so vLLM copies the first tensors into the
+model while later blocks are still being read, and the next shard's reads start before the current shard's
+tensors are handed out. With a plan (tensor parallelism, `kvprefetch.loader.tp_ranges`) only the planned
+blocks are read up front, and `ensure` reads any other block before an op touches it.
 
 Blocks double as the weight cache's chunks (`kvprefetch.loader.cache`): a block found in the cache is read
 from there (straight into the shard buffer from the cache's disk file, or copied from the DRAM pool) instead of
@@ -181,6 +183,8 @@ class ShardReader:
         return False
 
     def _read_late(self, p: _PendingShard, raw: mmap.mmap, i: int) -> None:
+        """Read block i now, in this thread; after the shard's tensors were handed out too (a tensor vLLM kept),
+        through the mapping that tensor keeps alive and the file opened again."""
         with self._lock:
             if p.tickets[i] is not None:
                 return
@@ -193,9 +197,7 @@ class ShardReader:
                 self.counters.add("late_bytes", min(self.block, p.shard.size - i * self.block))
                 p.tickets[i] = _Done()
             finally:
-                if had is None:
-                    p.buffer.release()
-                p.buffer = had
+                p.buffer = had  # (a view made here lives as long as its slices: the cache may still be writing one)
                 if reopened:
                     os.close(p.fd)
                     p.fd = -1
@@ -308,6 +310,7 @@ class ShardReader:
 
     def close(self) -> None:
         self.io.close(wait=False)
+        self._shards.clear()  # the buffers of shards an error left unfinished
         if self.staging is not None:
             self.staging.close()
 
