@@ -33,6 +33,7 @@ from kvprefetch.bench.regime import make_throttle
 from kvprefetch.loader.cache import full_identity, header_identity
 from kvprefetch.loader.harness import MARK
 from kvprefetch.loader.shards import open_checkpoint
+from kvprefetch.tiers.disk import chunk_files
 
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
@@ -207,7 +208,7 @@ class LoadBench:
                         continue
                     cgroup = str(throttle.path) if m.regime == "network" and throttle is not None else None
                     extra = (cached if m.cache else self.extra) if m.load_format == "kvprefetch" else {}
-                    if m.regime == "warm-cache" and not any(cache_dir.rglob("*.kv")):
+                    if m.regime == "warm-cache" and not chunk_files(cache_dir):
                         run_pass(self.model, m.load_format, extra, None, log)  # no network pass filled it: fill now
                         _remove_pool(pool)
                         drop_page_cache()
