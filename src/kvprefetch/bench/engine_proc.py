@@ -642,6 +642,10 @@ def main() -> None:
         cmd = json.loads(line)
         op = cmd.pop("op")
         if op == "exit":
+            # vLLM's executor unlinks its shared-memory queues (/dev/shm/psm_*) only when shut down; the workers
+            # exit with it. (A killed engine leaves them: the parent ends its process group.)
+            with contextlib.suppress(Exception):
+                child.engine.engine_core.shutdown()
             _reply({"bye": True})
             break
         handler = OPS.get(op)
