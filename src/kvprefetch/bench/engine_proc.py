@@ -29,6 +29,7 @@ from typing import Any
 
 from kvprefetch.bench.probes import CpuMeter, HelperCpuMeter, StepRecorder, calibrate, local_cpu_s, random_prompt
 from kvprefetch.bench.sessions import SessionSchedule
+from kvprefetch.bench.stats import merge_snapshots
 
 MARK = "@@KVB "
 
@@ -115,22 +116,6 @@ def _local_snapshot(_worker: Any = None) -> dict:
     return snap
 
 
-def _merge_snapshots(snaps: list[dict]) -> dict:
-    out: dict[str, Any] = {"counters": {}, "store": {}, "io": {}, "proc": {}}
-    for snap in snaps:
-        for part in ("counters", "store", "proc"):
-            for k, v in snap.get(part, {}).items():
-                out[part][k] = out[part].get(k, 0) + v
-        for key, io in snap.get("io", {}).items():
-            agg = out["io"].setdefault(key, {})
-            for k, v in io.items():
-                agg[k] = agg.get(k, 0) + v
-        if "peak_disk_reads_in_flight" in snap:
-            out["peak_disk_reads_in_flight"] = max(out.get("peak_disk_reads_in_flight", 0),
-                                                   snap["peak_disk_reads_in_flight"])  # fmt: skip
-    return out
-
-
 def _flush_here(_worker: Any = None) -> bool:
     return all(c.flush(timeout=300) for c in _live_connectors())
 
@@ -190,7 +175,11 @@ class EngineChild:
     def snapshot(self) -> dict:
         """The connector's counters (scheduler side here, worker sides wherever the workers run) and the stores'
         I/O stats, summed over this process and the worker processes."""
-        snap = _merge_snapshots([_local_snapshot(), *self.on_workers(_local_snapshot)])
+        parts = [_local_snapshot(), *self.on_workers(_local_snapshot)]
+        snap = merge_snapshots(parts)
+        peaks = [p["peak_disk_reads_in_flight"] for p in parts if "peak_disk_reads_in_flight" in p]
+        if peaks:  # a peak, not a count: the largest process's, not their sum
+            snap["peak_disk_reads_in_flight"] = max(peaks)
         sched = _scheduler_connector()
         if sched is not None:
             snap["ranks"] = {str(r): v for r, v in (sched.rank_stats() or {}).items()}  # per tensor-parallel rank

@@ -49,7 +49,7 @@ from kvprefetch.bench.modes import (
 from kvprefetch.bench.regime import DEFAULT_REGIME, make_throttle, measured_regime, target_bps, whitepaper_r2
 from kvprefetch.bench.rounds import aggregate
 from kvprefetch.bench.sessions import SessionSchedule
-from kvprefetch.bench.stats import cell_metrics
+from kvprefetch.bench.stats import cell_metrics, merge_snapshots
 from kvprefetch.bench.topology import TopologyKind, plan_topology
 from kvprefetch.modes import SIMULATED as BENCH_MODES
 from kvprefetch.results import SCHEMA_KEY, SCHEMA_VERSION
@@ -778,18 +778,6 @@ class Bench:
             for d, pool in dict.fromkeys(caches):
                 _remove_pool(pool)
                 shutil.rmtree(d, ignore_errors=True)
-
-
-def merge_snapshots(snaps: list[dict]) -> dict:
-    """Counter snapshots of several engines summed key by key (nested dicts recursively)."""
-    out: dict = {}
-    for snap in snaps:
-        for k, v in snap.items():
-            if isinstance(v, dict):
-                out[k] = merge_snapshots([out.get(k, {}), v])
-            elif isinstance(v, int | float) and not isinstance(v, bool):
-                out[k] = out.get(k, 0) + v
-    return out
 
 
 def drive_alternating(engines: list, sessions: list[dict], concurrency: int, timeout_s: float, tag: str, *,
