@@ -16,8 +16,9 @@ from collections.abc import Collection
 
 def pin_thread(cpus: Collection[int] | None) -> None:
     """Bind the calling thread (not its process: Linux applies the mask to the caller) to `cpus`; None leaves
-    it where it was. A core this process may not use (a cpuset narrower than the config) is skipped; none left
-    leaves the thread where it was: the binding is a placement hint, never a reason to fail."""
+    it where it was. Cores beyond the machine's are dropped, and a mask the kernel refuses (none left, or a
+    cpuset narrower than the config) leaves the thread where it was: the binding is a placement hint, never a
+    reason to fail."""
     if not cpus or not hasattr(os, "sched_setaffinity"):
         return
     allowed = set(cpus) & set(range(os.cpu_count() or 1))
