@@ -106,19 +106,7 @@ def huge_page_bytes(settings, model: Path) -> int:
     largest = max(s.size for s in open_checkpoint(model).shards)
     shards = (2 + settings.lookahead_shards) * (largest + (2 << 20))
     staging = (settings.threads + 4) * (int(settings.block_bytes) + (8 << 20)) * 2
-    return shards + staging + 16 * int(settings.block_bytes) + _surplus_in_use()
-
-
-def _surplus_in_use() -> int:
-    """Bytes of surplus huge pages other processes hold. reserved_huge_pages sets vm.nr_hugepages to what it
-    needs, counting the pages in use as if they were persistent ones; surplus pages (vm.nr_overcommit_hugepages)
-    are counted in the total once nr_hugepages is raised, so without this pad the reservation comes out short
-    by them and is reported as failed (it did, in a loadbench run beside another agent's surplus pages)."""
-    base = Path("/sys/kernel/mm/hugepages/hugepages-2048kB")
-    try:
-        return int((base / "surplus_hugepages").read_text()) * (2 << 20)
-    except (OSError, ValueError):
-        return 0
+    return shards + staging + 16 * int(settings.block_bytes)
 
 
 def register(app: typer.Typer) -> None:
