@@ -160,6 +160,8 @@ class TieredStore:
         self.io = IOEngine(threads=config.io.threads, cpus=config.io.cpus)
         if config.io.read_rate_limit_bps:
             self.io.set_rate_limit(Tier.DISK.value, int(config.io.read_rate_limit_bps))
+        if config.io.read_stream_bps:
+            self.io.set_stream_limit(Tier.DISK.value, int(config.io.read_stream_bps))
         self.counters = {
             "dram_hits": 0,
             "disk_hits": 0,

@@ -77,6 +77,37 @@ def test_errors_reach_every_waiter_and_are_counted():
     assert engine.stats.snapshot()["disk/demand"]["errors"] == 1
 
 
+def _timed_reads(engine: IOEngine, n: int, cls: IOClass = IOClass.DEMAND) -> tuple[float, list[float]]:
+    """Seconds n 1 MB ops take, and when each op's function ran (seconds after the start)."""
+    t0 = time.monotonic()
+    ran: list[float] = []
+    tickets = [engine.submit("disk", cls, lambda: ran.append(time.monotonic() - t0), nbytes=1_000_000)
+               for _ in range(n)]  # fmt: skip
+    for t in tickets:
+        t.result(10)
+    return time.monotonic() - t0, ran
+
+
+def test_a_stream_cap_paces_each_read_so_only_parallel_reads_reach_the_tiers_bandwidth():
+    """5 MB/s a stream, 1 MB reads: one thread moves 5 in >= 1 s, five threads in about 0.2 s; each chunk
+    appears only when its emulated transfer ends; write-back is not capped."""
+    serial, parallel = IOEngine(threads=1), IOEngine(threads=5)
+    for e in (serial, parallel):
+        e.set_stream_limit("disk", 5e6)
+    one, ran = _timed_reads(serial, 5)
+    par, _ = _timed_reads(parallel, 5)
+    back, _ = _timed_reads(serial, 5, IOClass.WRITEBACK)
+    serial.set_stream_limit("disk", None)
+    uncapped, _ = _timed_reads(serial, 5)
+    for e in (serial, parallel):
+        e.close()
+    assert one >= 1.0 and min(ran) >= 0.2
+    assert par < 0.6 * one
+    assert back < 0.2 and uncapped < 0.2
+    with pytest.raises(ValueError):
+        serial.set_stream_limit("disk", 0)
+
+
 def test_rate_limit_paces_reads_but_not_writebacks():
     engine = IOEngine(threads=4)
     engine.set_rate_limit("disk", 10e6)  # 10 MB/s
@@ -94,3 +125,17 @@ def test_rate_limit_paces_reads_but_not_writebacks():
     assert unpaced < 0.2
     snap = engine.stats.snapshot()["disk/demand"]
     assert snap["ops"] == 5 and snap["bytes"] == 5_000_000 and snap["max_queued"] >= 1
+
+
+def test_a_read_as_slow_as_its_stream_is_not_slowed_twice():
+    """Reads that themselves take a stream's time (a device or kernel throttle holding them back) are not slowed
+    again by the stream cap: 6 such reads of 0.2 s at a 0.2 s stream time take ~1.4 s (the first pays both
+    before the engine has seen one), not the 2.4 s of adding the two."""
+    engine = IOEngine(threads=1)
+    engine.set_stream_limit("disk", 5e6)
+    t0 = time.monotonic()
+    for t in [engine.submit("disk", IOClass.DEMAND, lambda: time.sleep(0.2), nbytes=1_000_000) for _ in range(6)]:
+        t.result(10)
+    took = time.monotonic() - t0
+    engine.close()
+    assert 1.2 <= took < 2.0

@@ -4,6 +4,7 @@ bench's `ondemand-serial` mode, the whitepaper's serial baseline), whoever asks 
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
@@ -40,3 +41,14 @@ def test_reads_in_flight_never_exceed_the_io_threads(open_store, keyer):
     store, keys = _evicted_store(open_store, keyer, 24, io={"threads": 3})
     _read_from_many_threads(store, keys)
     assert 1 <= _peak_disk_reads(store) <= 3
+
+
+def test_a_stream_cap_makes_the_store_read_each_chunk_no_faster_than_one_stream(open_store, keyer):
+    """`io.read_stream_bps`: every chunk read from disk takes at least chunk / cap, however fast the disk is;
+    the chunks still arrive whole (the bench's emulated array: one stream gets a fifth of its bandwidth)."""
+    cap = 4 * CHUNK_BYTES  # four chunks a second per stream
+    store, keys = _evicted_store(open_store, keyer, 8, io={"threads": 1, "read_stream_bps": cap})
+    t0 = time.monotonic()
+    _read_from_many_threads(store, keys)
+    assert time.monotonic() - t0 >= len(keys) * CHUNK_BYTES / cap
+    assert store.counters["promoted"] >= len(keys)

@@ -20,7 +20,7 @@ from typing import Any
 
 from kvprefetch.io.affinity import pin_thread
 from kvprefetch.io.stats import IOStats
-from kvprefetch.io.throttle import RateLimiter
+from kvprefetch.io.throttle import RateLimiter, wait_until
 
 
 class IOClass(IntEnum):
@@ -77,6 +77,8 @@ class IOEngine:
     def __init__(self, threads: int = 4, name: str = "kvprefetch-io", cpus: Collection[int] | None = None):
         self.stats = IOStats()
         self._limits: dict[str, RateLimiter] = {}
+        self._stream_bps: dict[str, float] = {}
+        self._read_s_per_byte: dict[str, float] = {}
         self._cv = threading.Condition()
         self._heap: list[tuple[int, int, _Op]] = []
         self._seq = itertools.count()
@@ -93,6 +95,35 @@ class IOEngine:
             self._limits.pop(tier, None)
         else:
             self._limits[tier] = RateLimiter(bytes_per_s)
+
+    def set_stream_limit(self, tier: str, bytes_per_s: float | None) -> None:
+        """Cap what one read of a tier moves per second (None removes the cap): storage that needs several reads
+        in flight to reach its bandwidth, as a networked array does (each I/O thread is one stream)."""
+        if bytes_per_s is None:
+            self._stream_bps.pop(tier, None)
+        elif bytes_per_s <= 0:
+            raise ValueError("bytes_per_s must be positive")
+        else:
+            self._stream_bps[tier] = float(bytes_per_s)
+
+    def _emulated_end(self, op: _Op, t0: float) -> float | None:
+        """When an emulated transfer of op would end: on the tier's pipe (`set_rate_limit`) and as one stream
+        (`set_stream_limit`), whichever is later; None when neither applies (write-back is never capped)."""
+        if op.cls == IOClass.WRITEBACK:
+            return None
+        limit, stream = self._limits.get(op.tier), self._stream_bps.get(op.tier)
+        ends = [limit.reserve(op.nbytes)] if limit is not None else []
+        if stream is not None:  # the part of one stream's transfer time the read itself will not take
+            ends.append(t0 + op.nbytes * max(0.0, 1.0 / stream - self._read_s_per_byte.get(op.tier, 0.0)))
+        return max(ends) if ends else None
+
+    def _learn_read_time(self, op: _Op, seconds: float) -> None:
+        """A stream-capped tier's recent read time per byte (moving average): a read the device or a kernel
+        throttle already holds back is not slowed a second time by the stream cap (`_emulated_end`)."""
+        if op.tier in self._stream_bps and op.nbytes > 0 and op.cls != IOClass.WRITEBACK:
+            prev = self._read_s_per_byte.get(op.tier)
+            now = seconds / op.nbytes
+            self._read_s_per_byte[op.tier] = now if prev is None else 0.8 * prev + 0.2 * now
 
     def submit(
         self,
@@ -192,11 +223,13 @@ class IOEngine:
             if not op.future.set_running_or_notify_cancel():
                 continue
             t0 = time.monotonic()
-            limit = self._limits.get(op.tier) if op.cls != IOClass.WRITEBACK else None
-            if limit is not None:  # the emulated pipe first: the chunk appears when its transfer would end
-                limit.wait_until(limit.reserve(op.nbytes))
+            end = self._emulated_end(op, t0)
+            if end is not None:  # the emulated transfer first: the chunk appears when that transfer would end
+                wait_until(end)
             try:
+                t_read = time.monotonic()
                 result = op.fn()
+                self._learn_read_time(op, time.monotonic() - t_read)
             except BaseException as err:  # delivered to every waiter through the future
                 self._finish(op, t0, ok=False)
                 op.future.set_exception(err)

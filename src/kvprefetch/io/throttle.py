@@ -23,7 +23,9 @@ class RateLimiter:
             self._free_at = start + nbytes / self.bytes_per_s
             return self._free_at
 
-    def wait_until(self, t: float) -> None:
-        delay = t - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
+
+def wait_until(t: float) -> None:
+    """Sleep until the monotonic time t (at once if it has passed)."""
+    delay = t - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
