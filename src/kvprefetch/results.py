@@ -60,6 +60,10 @@ class Regime(_Part):
     """The storage regime the run obtained, and the populating engine's first speed samples."""
 
     read_bps: float | None = None
+    # The emulated array (`kvprefetch.bench.regime.stream_bps`): reads it takes in flight to reach read_bps, and
+    # the parallel modes' reads in flight (absent: storage read at full speed by any reader)
+    array_streams: float = 1.0
+    io_threads: int | None = None
     chunk_bytes: int
     chunk_tokens: int
     prefill_tokens_per_s: float | None = None

@@ -95,6 +95,9 @@ def test_modes_in_two_interleaved_rounds_end_to_end(tmp_path):
     assert results["calibration"]["engines"] == 3
     reg = results["regime"]
     assert reg["prefill_tokens_per_s"] > 0 and reg["measured"] > 0 and reg["enforced_by"]
+    # the emulated array: one read stream gets at most its share of the regime's bandwidth (R1's serial reads)
+    assert 0 < reg["serial_read_bps"] <= 1.02 * reg["stream_read_bps"] < reg["target_read_bps"]
+    assert reg["io_threads"] >= reg["array_streams"]
     for f in ("results.json", "report.md", "ttft_p50.png", "throughput.png", "ttft_cdf.png"):
         assert (tmp_path / "out" / f).stat().st_size > 0
     saved = json.loads((tmp_path / "out" / "results.json").read_text())

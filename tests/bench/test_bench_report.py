@@ -45,7 +45,8 @@ def _results():
                      "reusable_share": 0.8, "largest_level_prompt_tokens": 150},
         "regime": {"asked": 10.0, "enforced_by": "cgroup-v1-blkio 254:0", "prefill_tokens_per_s": 2560.0,
                    "chunk_tokens": 256, "chunk_bytes": 1 << 20, "native_read_bps": 1e9, "native_regime": 97.6,
-                   "target_read_bps": 1.07e8, "read_bps": 1.1e8, "measured": 10.7},
+                   "target_read_bps": 1.07e8, "read_bps": 1.1e8, "measured": 10.7, "stream_read_bps": 2.0e7,
+                   "array_streams": 5.34, "io_threads": 6, "serial_read_bps": 1.9e7, "measured_serial": 1.8},
         "notes": ["dram: 40 of 40 chunks in DRAM before the run"],
         "rows": rows,
         "simulator_prediction": [
@@ -105,6 +106,8 @@ def test_markdown_report_has_tables_regime_whitepaper_and_missing_modes():
     md = markdown_report(_results())
     assert "| prefetch | 8 | 10 | 2.000 |" in md
     assert "Measured regime R = 10.7" in md and "cgroup-v1-blkio" in md
+    assert "one read stream capped at 20.0 MB/s, 1/5.34 of the regime's bandwidth" in md
+    assert "Serial reads (one in flight) measured at 19.0 MB/s: R = 1.8." in md
     assert "-26% to -32%" in md and "8.6x to 20x" in md
     assert "| 8 | ondemand-sync | -50% | - | one round | +50% | - | 2.00x |" in md
     assert "| 8 | recompute | -88% | - | one round | +200% | - | 8.00x |" in md
@@ -249,3 +252,24 @@ def test_cpu_tensor_parallel_ranks_get_a_core_set_each():
     assert set(tp_cpu_env(2, {})) == {OMP_BIND}
     with pytest.raises(ValueError, match="needs 4 cores"):
         omp_threads_bind(4, [0, 1])
+
+
+def test_storage_share_bounds_what_prefetch_can_cut_and_stands_beside_r2s():
+    """Storage's share of on-demand TTFT, paired by round (1 - dram / ondemand-sync): 0.4/1.0, 1.0/2.0 and
+    0.8/1.2 -> shares 60%, 50%, 33%; the report puts it beside prefetch's cut and R2's share."""
+    from kvprefetch.bench.report import storage_shares
+    from kvprefetch.bench.rounds import aggregate
+
+    runs = (_rounds("ondemand-sync", 16, [1.0, 2.0, 1.2], [10.0, 5.0, 9.0])
+            + _rounds("prefetch", 16, [0.6, 1.2, 0.7], [14.0, 7.0, 12.0])
+            + _rounds("dram", 16, [0.4, 1.0, 0.8], [14.0, 7.0, 12.0]))  # fmt: skip
+    rows = aggregate(runs)
+    (share,) = storage_shares(rows)
+    assert share["concurrency"] == 16 and share["share"] == pytest.approx(0.5)
+    assert share["range"] == pytest.approx((1 - 0.8 / 1.2, 0.6))
+    res = _results() | {"rows": rows}
+    res["regime"] = res["regime"] | {"whitepaper_storage_share": {"16": 0.966}}
+    md = markdown_report(res)
+    assert "## How much of on-demand TTFT is storage" in md
+    assert "| 16 | 50% | 33..60% | -40% | 97% |" in md
+    assert "## How much of on-demand TTFT is storage" not in markdown_report(_results() | {"rows": rows[:1]})

@@ -27,3 +27,16 @@ def test_default_workload_reuses_what_r2_reused_and_queues():
         assert len(sessions) == 2 * c and all(len(s.turns) == 1 for s in sessions)
     firsts = {tuple(s.turns[0].tokens[:256]) for ss in w.levels.values() for s in ss}
     assert len(firsts) == sum(len(ss) for ss in w.levels.values())
+
+
+def test_the_emulated_array_needs_parallel_reads_as_r1s_did():
+    """One read stream gets 1/streams of a regime's bandwidth: serial reads see R2's serial R (3.4), and the
+    parallel modes' reads in flight reach the whole bandwidth, as the whitepaper's parallel reader did."""
+    from kvprefetch.bench.regime import stream_bps
+    from kvprefetch.sim.scenarios import PARALLEL_READS
+
+    r2 = whitepaper_r2()
+    assert r2.streams == pytest.approx(5.23 / 0.98, rel=0.01)
+    assert stream_bps(None) is None
+    assert DEFAULT_REGIME * stream_bps(1e9) / 1e9 == pytest.approx(r2.r_serial, rel=0.01)
+    assert PARALLEL_READS * stream_bps(1e9) >= 1e9

@@ -14,6 +14,7 @@ process it creates is throttled there.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -365,9 +366,11 @@ read throttle lets a short burst through above its rate, so a probe over a small
 than the cells later got."""
 
 
-def disk_read_bandwidth(max_chunks: int, seconds: float, rate_limit_bps: int | None = None) -> dict:
+def disk_read_bandwidth(max_chunks: int, seconds: float, rate_limit_bps: int | None = None,
+                        threads: int | None = None, stream_bps: float | None = None) -> dict:  # fmt: skip
     """Cold reads disk -> DRAM through a fresh store on the same disk directory (this process's throttle), for
-    `PROBE_MIN_S` at least and `seconds` at most."""
+    `PROBE_MIN_S` at least and `seconds` at most; `threads` reads in flight (default: the connector's), each
+    stream capped at `stream_bps` (the emulated array's)."""
     c = _scheduler_connector()
     if c is None:
         raise RuntimeError("disk_read_bandwidth needs the kvprefetch connector")
@@ -376,8 +379,9 @@ def disk_read_bandwidth(max_chunks: int, seconds: float, rate_limit_bps: int | N
     cfg = c.store.config
     name = f"{c.store.dram.name}-probe-{random.randrange(1 << 30):x}"  # the bench removes its pools by prefix
     cfg = cfg.model_copy(update={"dram": cfg.dram.model_copy(update={"pool_name": name, "backing": "shm"})})
-    if rate_limit_bps:
-        cfg = cfg.model_copy(update={"io": cfg.io.model_copy(update={"read_rate_limit_bps": int(rate_limit_bps)})})
+    io = {"read_rate_limit_bps": int(rate_limit_bps) if rate_limit_bps else None,
+          "read_stream_bps": int(stream_bps) if stream_bps else None} | ({"threads": threads} if threads else {})
+    cfg = cfg.model_copy(update={"io": cfg.io.model_copy(update=io)})
     chunk_bytes = c.store.chunk_bytes
     keys = _disk_keys(Path(cfg.disk.path))
     random.Random(0).shuffle(keys)
@@ -407,6 +411,20 @@ def disk_read_bandwidth(max_chunks: int, seconds: float, rate_limit_bps: int | N
             store.dram.destroy()
     nbytes = done * chunk_bytes
     return {"chunks": done, "bytes": nbytes, "seconds": elapsed, "bps": nbytes / elapsed if elapsed > 0 else None}
+
+
+def _stream_limit_here(bps: float | None, _worker: Any = None) -> int:
+    """Cap each disk read stream of this process's connectors' stores (None: uncapped); how many were set."""
+    stores = [c.store for c in _live_connectors() if c.store is not None]
+    for store in stores:
+        store.io.set_stream_limit("disk", bps)
+    return len(stores)
+
+
+def set_stream_limit(child: EngineChild, bps: float | None) -> dict:
+    """The emulated array's per-stream cap, here and in every worker (a regime sweep changes it between
+    regimes on engines already running)."""
+    return {"stores": _stream_limit_here(bps) + sum(child.on_workers(functools.partial(_stream_limit_here, bps)))}
 
 
 def seed_remote(src: str) -> dict:
@@ -602,8 +620,10 @@ OPS: dict[str, Callable[[EngineChild, dict], Any]] = {
     "cool_dram": lambda child, cmd: cool_dram(child),
     "preload_dram": lambda child, cmd: preload_dram(cmd.get("max_chunks")),
     "disk_bandwidth": lambda child, cmd: disk_read_bandwidth(
-        cmd.get("max_chunks", 256), cmd.get("seconds", 10.0), cmd.get("rate_limit_bps")
+        cmd.get("max_chunks", 256), cmd.get("seconds", 10.0), cmd.get("rate_limit_bps"), cmd.get("threads"),
+        cmd.get("stream_bps"),
     ),
+    "stream_limit": lambda child, cmd: set_stream_limit(child, cmd.get("bps")),
     "counters": lambda child, cmd: child.snapshot(),
     "placement": lambda child, cmd: {"engine": _local_placement(), "workers": child.on_workers(_local_placement)},
 }

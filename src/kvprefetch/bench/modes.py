@@ -102,6 +102,7 @@ class StoreSizing:
     io_threads: int = 4
     io_cpus: list[int] | None = None  # the connector's threads' cores (kvprefetch.bench.topology)
     read_rate_limit_bps: int | None = None  # the fallback throttle (no kernel throttle available)
+    read_stream_bps: int | None = None  # one read stream's cap (the emulated array: `regime.stream_bps`)
     prefill_tps_prior: float | None = None
     disk_bps_prior: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -122,6 +123,8 @@ def kvprefetch_extra(sizing: StoreSizing, disk_dir: Path, pool: str, *, prefetch
         extra["io"]["cpus"] = list(sizing.io_cpus)
     if sizing.read_rate_limit_bps:
         extra["io"]["read_rate_limit_bps"] = int(sizing.read_rate_limit_bps)
+    if sizing.read_stream_bps:
+        extra["io"]["read_stream_bps"] = int(sizing.read_stream_bps)
     if sizing.prefill_tps_prior:
         extra["prefill_tps_prior"] = float(sizing.prefill_tps_prior)
     if sizing.disk_bps_prior:

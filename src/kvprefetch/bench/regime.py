@@ -51,6 +51,12 @@ class WhitepaperRegime:
         return self.prefill_s * self.serial_read_bps / (self.context_tokens * self.kv_bytes_per_token)
 
     @property
+    def streams(self) -> float:
+        """Reads the array needs in flight to reach its bandwidth: one stream alone reads 1/streams of it (the
+        whitepaper's R1: the same array at 0.98 GB/s read serially, 5.23 GB/s in parallel)."""
+        return self.read_bps / self.serial_read_bps
+
+    @property
     def reused_share(self) -> float:
         return self.context_tokens / (self.context_tokens + self.new_tokens)
 
@@ -75,6 +81,27 @@ def whitepaper_r2() -> WhitepaperRegime:
     return WhitepaperRegime(FIT.context_tokens, FIT.new_tokens, FIT.output_tokens, model.kv_bytes_per_token,
                             dep.prefill_time(FIT.context_tokens), array.read_bw,
                             array.read_bw / array.parallelism)  # fmt: skip
+
+
+def whitepaper_storage_share(concurrencies: list[int]) -> dict[int, float]:
+    """How much of R2's on-demand TTFT p50 is storage, per concurrency, by the simulator's fit of it:
+    1 - TTFT(dram) / TTFT(ondemand-sync). It bounds what hiding storage can cut from on-demand TTFT: prefetch
+    cannot beat every chunk already being in DRAM. R2's effect (-26..-32%) needs a share at least that large;
+    a bench whose share is smaller cannot show it however well prefetch hides its reads."""
+    from kvprefetch.sim.policy import Policy
+    from kvprefetch.sim.scenarios import run_whitepaper
+
+    out = {}
+    for c in concurrencies:
+        sync = run_whitepaper(Policy.ONDEMAND_SYNC, c).ttft_p(50)
+        out[c] = 1.0 - run_whitepaper(Policy.DRAM, c).ttft_p(50) / sync if sync > 0 else 0.0
+    return out
+
+
+def stream_bps(regime_bps: float | None) -> float | None:
+    """One read stream's cap in a throttled regime: the emulated storage is the whitepaper's array, whose full
+    bandwidth (`regime_bps` here) needs `WhitepaperRegime.streams` reads in flight; None (native) is uncapped."""
+    return None if regime_bps is None else regime_bps / whitepaper_r2().streams
 
 
 DEFAULT_REGIME = 18.2

@@ -46,13 +46,22 @@ from kvprefetch.bench.modes import (
     route_turn,
     two_instance_caches,
 )
-from kvprefetch.bench.regime import DEFAULT_REGIME, make_throttle, measured_regime, target_bps, whitepaper_r2
+from kvprefetch.bench.regime import (
+    DEFAULT_REGIME,
+    make_throttle,
+    measured_regime,
+    stream_bps,
+    target_bps,
+    whitepaper_r2,
+    whitepaper_storage_share,
+)
 from kvprefetch.bench.rounds import aggregate
 from kvprefetch.bench.sessions import SessionSchedule
 from kvprefetch.bench.stats import cell_metrics, merge_snapshots
 from kvprefetch.bench.topology import TopologyKind, plan_topology
 from kvprefetch.modes import SIMULATED as BENCH_MODES
 from kvprefetch.results import SCHEMA_KEY, SCHEMA_VERSION
+from kvprefetch.sim.scenarios import PARALLEL_READS
 from kvprefetch.workload.replay import (
     CONTEXT,
     CONTEXT_MAX_NUM_SEQS,
@@ -298,8 +307,11 @@ class Bench:
         # Filled as the run goes
         self.work = Path()  # the run's temp dir (run)
         self.wfile = ""  # its workload file
-        self.regime: dict[str, Any] = {"asked": o.regime if o.regime is not None else "native",
-                                       "whitepaper_r2": whitepaper_r2().sentence()}  # fmt: skip
+        self.regime: dict[str, Any] = {
+            "asked": o.regime if o.regime is not None else "native",
+            "whitepaper_r2": whitepaper_r2().sentence(),
+            "whitepaper_storage_share": {str(c): v for c, v in whitepaper_storage_share(o.concurrency).items()},
+        }
         self.populate_info: dict[str, Any] = {}
         self.placement: dict[str, Any] = {}  # which cores the populating engine's threads were seen on
         self.chunk_bytes = 0
@@ -450,16 +462,19 @@ class Bench:
         if o.regime is not None:
             bps = target_bps(o.regime, chunk_bytes / chunk, tps)
             regime["target_read_bps"] = bps
+            self._emulate_array(bps)
             if throttle is not None:
                 throttle.set(bps)
                 regime["enforced_by"] = f"{throttle.kind} {throttle.device} ({throttle.path})"
-                probe = eng.call("disk_bandwidth", max_chunks=256, seconds=8.0)
             else:
                 self.sizing.read_rate_limit_bps = bps
                 regime["enforced_by"] = f"kvprefetch I/O engine read_rate_limit_bps (kernel: {why})"
-                probe = eng.call("disk_bandwidth", max_chunks=256, seconds=8.0, rate_limit_bps=bps)
-            regime["read_bps"] = probe["bps"]
+            probe = self._probe(eng, bps, threads=self.sizing.io_threads)
+            serial = self._probe(eng, bps, threads=1)
+            regime["read_bps"], regime["serial_read_bps"] = probe["bps"], serial["bps"]
             regime["measured"] = measured_regime(tps, chunk, chunk_bytes, probe["bps"]) if probe["bps"] else None
+            regime["measured_serial"] = (measured_regime(tps, chunk, chunk_bytes, serial["bps"])
+                                         if serial["bps"] else None)  # fmt: skip
         else:
             regime |= {"enforced_by": "none", "read_bps": native["bps"], "measured": regime["native_regime"]}
         self.sizing.prefill_tps_prior = tps
@@ -483,6 +498,10 @@ class Bench:
                 self.regime_label = label
                 if throttle is not None:
                     throttle.set(bps)
+                if self.sweep:  # the emulated array's stream cap follows the regime (none when native)
+                    for me in opened.values():
+                        if me.eng is not None:
+                            me.eng.call("stream_limit", bps=stream_bps(bps))
                 for k in range(o.repeats):
                     for m, me in opened.items():
                         where = f" (round {k + 1} of {o.repeats})" if o.repeats > 1 else ""
@@ -526,7 +545,7 @@ class Bench:
                 "engine_args": o.engine_args,
                 "dram_tier_bytes": self.sizing.dram_bytes,
                 "disk_dir": str(self.work),
-                "io_threads": o.io_threads,
+                "io_threads": self.sizing.io_threads,
                 "topology": self.topology.to_json() | {"observed": placement},
             },
             "workload": w.declared
@@ -548,6 +567,22 @@ class Bench:
         }
         return results
 
+    def _emulate_array(self, bps: int) -> None:
+        """Storage as the whitepaper's array: full bandwidth `bps` only with reads in parallel, one read stream
+        capped at its share (`regime.stream_bps`), so one read in flight (`ondemand-serial`) gets what R1's
+        serial reads got; the parallel modes keep `PARALLEL_READS` reads in flight, as its parallel reader did."""
+        stream = stream_bps(bps)
+        self.sizing.read_stream_bps = int(stream) if stream else None
+        self.sizing.io_threads = max(self.sizing.io_threads, PARALLEL_READS)
+        self.regime |= {"stream_read_bps": stream, "array_streams": whitepaper_r2().streams,
+                        "io_threads": self.sizing.io_threads}  # fmt: skip
+
+    def _probe(self, eng: EngineProcess, bps: int | None, threads: int) -> dict:
+        """Cold disk reads at the regime `bps` (the throttle already set to it), `threads` in flight, each stream
+        capped as the emulated array caps it (and by the I/O engine's own limit where the kernel's is missing)."""
+        return eng.call("disk_bandwidth", max_chunks=256, seconds=8.0, threads=threads, stream_bps=stream_bps(bps),
+                        rate_limit_bps=self.sizing.read_rate_limit_bps and bps)  # fmt: skip
+
     def _probe_sweep(self, eng: EngineProcess, throttle, tps: float, chunk_bytes: int,
                      regime: dict) -> list[tuple[float | str, int | None]]:  # fmt: skip
         """The further regimes of a sweep, each set on the kernel throttle and measured with the populating
@@ -563,7 +598,7 @@ class Bench:
             if throttle is not None:
                 throttle.set(bps)
             probe = ({"bps": regime.get("native_read_bps")} if r is None
-                     else eng.call("disk_bandwidth", max_chunks=256, seconds=8.0))  # fmt: skip
+                     else self._probe(eng, bps, threads=self.sizing.io_threads))  # fmt: skip
             measured = measured_regime(tps, self.o.chunk_tokens, chunk_bytes, probe["bps"]) if probe["bps"] else None
             self.sweep_info.append({"asked": label, "target_read_bps": bps, "read_bps": probe["bps"],
                                     "measured": measured})  # fmt: skip

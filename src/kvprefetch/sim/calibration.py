@@ -52,6 +52,8 @@ class Calibration:
     disk_read_gbps: float
     chunk_bytes: int
     chunk_tokens: int
+    disk_streams: float = 1.0  # reads the disk needs in flight for disk_read_gbps (the bench's emulated array)
+    io_depth: int | None = None  # reads in flight the run's connector kept (None: io.threads' default)
     model: str = "tiny-llama"
     token_budget: int = 2048
     prompt_tokens: int = 3541
@@ -303,6 +305,8 @@ def calibration_from_results(results: BenchResults | dict) -> Calibration:
         prefill_tokens_per_s=float(cal.get("prefill_tokens_per_s") or reg.prefill_tokens_per_s),
         decode_step_s=float(cal.get("decode_step_s") or reg.decode_step_s),
         disk_read_gbps=float(reg.read_bps) / 1e9,
+        disk_streams=reg.array_streams,
+        io_depth=reg.io_threads,
         chunk_bytes=reg.chunk_bytes,
         chunk_tokens=reg.chunk_tokens,
         token_budget=cfg.max_num_batched_tokens,
@@ -408,7 +412,7 @@ def replay_cells(
             dep = at_speed(calibrated, k)
             tiers = (
                 TierSpec("dram", None if policy is Policy.DRAM else dram_blocks, dep.accelerator.host_link_bw),
-                TierSpec("disk", None, cal.disk_read_gbps * 1e9, MEASURED_DISK_LATENCY_S),
+                TierSpec("disk", None, cal.disk_read_gbps * 1e9, MEASURED_DISK_LATENCY_S, cal.disk_streams),
             )
             config = SimConfig(
                 dep,
@@ -424,6 +428,7 @@ def replay_cells(
                 io_cpu_s_per_byte=charged_io_cpu(cal) / k,
                 io_cpu_on_loads=not load_path_measured(cal),
                 engine_block_tokens=cal.engine_block_tokens,
+                **({"io_depth": cal.io_depth} if cal.io_depth else {}),
             )
             sim = Simulator(config, requests)
             result = sim.run()

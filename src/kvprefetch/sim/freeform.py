@@ -111,7 +111,8 @@ class Setup:
             override = self.storage_bw if name == names[-1] else None
             if name == THIS_DISK:  # measured through kvprefetch's own reader: its io depth is in the rate
                 measured_bw = self.measured().disk_read_gbps * 1e9
-                tiers.append(TierSpec(THIS_DISK, None, override or measured_bw, MEASURED_DISK_LATENCY_S))
+                tiers.append(TierSpec(THIS_DISK, None, override or measured_bw, MEASURED_DISK_LATENCY_S,
+                                      self.measured().disk_streams))
                 continue
             storage = lookup(STORAGE, name, "storage")
             capacity = int(storage.capacity_bytes / block_bytes)
