@@ -315,6 +315,7 @@ class Bench:
         self.populate_info: dict[str, Any] = {}
         self.placement: dict[str, Any] = {}  # which cores the populating engine's threads were seen on
         self.chunk_bytes = 0
+        self.machine: dict[str, Any] = {}  # machine_info() when the run starts
 
     # -- helpers ------------------------------------------------------------------------------------------------
     def _spec(self, kv_transfer: dict | None, *, cgroup: str | None, env: dict | None = None) -> dict:
@@ -353,6 +354,7 @@ class Bench:
         and assemble results.json's content."""
         o = self.o
         t_start = time.time()
+        self.machine = machine_info()  # its load average is the one at the start
         base = Path(o.cache_dir or tempfile.gettempdir())
         base.mkdir(parents=True, exist_ok=True)
         self.work = Path(tempfile.mkdtemp(prefix="kvprefetch-bench-", dir=base))
@@ -528,7 +530,7 @@ class Bench:
             SCHEMA_KEY: SCHEMA_VERSION,
             "started": dt.datetime.fromtimestamp(t_start).isoformat(timespec="seconds"),
             "duration_s": time.time() - t_start,
-            "machine": machine_info() | {"loadavg_end": os.getloadavg()},
+            "machine": self.machine | {"loadavg_end": os.getloadavg()},
             "versions": versions(),
             "model": {k: v for k, v in asdict(self.model).items() if k != "config"} | {"config": self.model.config},
             "config": {
