@@ -379,8 +379,8 @@ def disk_read_bandwidth(max_chunks: int, seconds: float, rate_limit_bps: int | N
     cfg = c.store.config
     name = f"{c.store.dram.name}-probe-{random.randrange(1 << 30):x}"  # the bench removes its pools by prefix
     cfg = cfg.model_copy(update={"dram": cfg.dram.model_copy(update={"pool_name": name, "backing": "shm"})})
-    io = {"read_rate_limit_bps": int(rate_limit_bps) if rate_limit_bps else None,
-          "read_stream_bps": int(stream_bps) if stream_bps else None} | ({"threads": threads} if threads else {})
+    given = {"read_rate_limit_bps": rate_limit_bps, "read_stream_bps": stream_bps, "threads": threads}
+    io = {k: int(v) for k, v in given.items() if v}  # what is not given stays as the connector's store has it
     cfg = cfg.model_copy(update={"io": cfg.io.model_copy(update=io)})
     chunk_bytes = c.store.chunk_bytes
     keys = _disk_keys(Path(cfg.disk.path))

@@ -581,9 +581,10 @@ class Bench:
 
     def _probe(self, eng: EngineProcess, bps: int | None, threads: int) -> dict:
         """Cold disk reads at the regime `bps` (the throttle already set to it), `threads` in flight, each stream
-        capped as the emulated array caps it (and by the I/O engine's own limit where the kernel's is missing)."""
+        capped as the emulated array caps it (and by the I/O engine's own limit where the kernel's is missing:
+        `sizing.read_rate_limit_bps`, the asked regime's; a sweep needs the kernel's)."""
         return eng.call("disk_bandwidth", max_chunks=256, seconds=8.0, threads=threads, stream_bps=stream_bps(bps),
-                        rate_limit_bps=self.sizing.read_rate_limit_bps and bps)  # fmt: skip
+                        rate_limit_bps=self.sizing.read_rate_limit_bps)  # fmt: skip
 
     def _probe_sweep(self, eng: EngineProcess, throttle, tps: float, chunk_bytes: int,
                      regime: dict) -> list[tuple[float | str, int | None]]:  # fmt: skip
