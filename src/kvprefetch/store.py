@@ -219,12 +219,13 @@ class TieredStore:
             self.counters["dram_full"] += 1
             return False
         try:
-            if source is Tier.DISK:
-                assert self.disk is not None
-                self.disk.read_into(key, self.dram.image(slot))
-            else:
-                assert self.remote is not None
-                self.remote.read_into(key, self.dram.image(slot))
+            with self.io.transfer():  # (a promote that joined another's read above moved nothing)
+                if source is Tier.DISK:
+                    assert self.disk is not None
+                    self.disk.read_into(key, self.dram.image(slot))
+                else:
+                    assert self.remote is not None
+                    self.remote.read_into(key, self.dram.image(slot))
             crash_point("store.promote.read")
         except (ChunkMissing, CorruptChunk, OSError) as err:  # RemoteUnavailable is a ConnectionError
             self.dram.abort(slot)
@@ -245,6 +246,7 @@ class TieredStore:
             nbytes=self.image_bytes,
             dedup=("promote", key),
             deadline=deadline,
+            paced_inside=True,
         )
 
     def prefetch(self, keys: Sequence[bytes], to: Tier = Tier.DRAM, deadline: float | None = None) -> PrefetchHandle:

@@ -54,3 +54,24 @@ def test_io_threads_run_on_the_configured_cores_whatever_their_creator_is_bound_
     t.join()
     assert seen.pop("creator") == {first}
     assert seen and all(cpus == {last} for cpus in seen.values()), seen
+
+
+def test_a_cell_waits_for_another_engines_polling_to_stop_but_not_for_its_own():
+    import time
+
+    from kvprefetch.bench.runner import ENGINE_SETTLE_S, Bench, BenchOptions
+
+    bench = Bench(BenchOptions(modes=["ondemand", "prefetch"], concurrency=[2], topology="gpu-node"))
+    assert bench.topology.kind == "gpu-node"
+
+    def settle(mode: str) -> float:
+        t0 = time.monotonic()
+        bench._settle(mode)
+        return time.monotonic() - t0
+
+    assert settle("prefetch") < 0.05  # nothing ran yet
+    bench.last_active = ("ondemand", time.monotonic())
+    assert settle("ondemand") < 0.05  # the levels of one mode follow each other on its own engine
+    assert ENGINE_SETTLE_S - 0.1 <= settle("prefetch") <= ENGINE_SETTLE_S + 0.5
+    bench.last_active = ("ondemand", time.monotonic() - ENGINE_SETTLE_S)  # finished long enough ago
+    assert settle("prefetch") < 0.05

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from .conftest import CHUNK_BYTES
+from .conftest import CHUNK_BYTES, chunk_payload
 from .test_read_path import _evicted_store
 
 
@@ -52,3 +52,31 @@ def test_a_stream_cap_makes_the_store_read_each_chunk_no_faster_than_one_stream(
     _read_from_many_threads(store, keys)
     assert time.monotonic() - t0 >= len(keys) * CHUNK_BYTES / cap
     assert store.counters["promoted"] >= len(keys)
+
+
+def _disk_reads(store) -> tuple[int, int]:
+    """(bytes moved, ops that joined another reader's read) by the store's disk reads."""
+    io = store.stats()["io"]
+    reads = [v for k, v in io.items() if k.startswith("disk/") and not k.endswith("writeback")]
+    return sum(v["bytes"] for v in reads), sum(v["joined"] for v in reads)
+
+
+def test_a_read_that_joins_another_processs_read_waits_only_for_that_read_and_moves_nothing(open_store, keyer):
+    """Two stores on one DRAM pool and disk tier (the scheduler's and a worker's process): the worker asks for a
+    chunk the scheduler is still reading under the emulated array's stream cap. It joins that read (the pool
+    marks the slot in flight): it waits for what is left of it, not for a stream of its own, and its stats count
+    no bytes moved, so the chunk counts as read once."""
+    cap = CHUNK_BYTES  # one chunk per second per stream
+    scheduler, keys = _evicted_store(open_store, keyer, 1, io={"threads": 1, "read_stream_bps": cap})
+    worker = open_store(io={"threads": 1, "read_stream_bps": cap})
+    handle = scheduler.prefetch(keys)
+    time.sleep(0.5)  # half-way through the scheduler's read
+    t0 = time.monotonic()
+    out = [np.zeros(CHUNK_BYTES, np.uint8)]
+    assert worker.get_into(keys, out) == 1
+    waited = time.monotonic() - t0
+    assert handle.wait(5) and (out[0] == chunk_payload(keys[0])).all()
+    assert waited < 0.9  # (a stream of its own would take 1 s more)
+    image = scheduler.image_bytes
+    assert _disk_reads(scheduler) == (image, 0)
+    assert _disk_reads(worker) == (0, 1)

@@ -82,9 +82,10 @@ DEFAULT_CONCURRENCY = [1, 8, 16, 32]
 QUICK_CONCURRENCY = [2, 8]
 SPEC_KEYS = ("load_format", "dtype", "max_num_seqs")  # engine args the spec sets itself
 ENGINE_SETTLE_S = 1.5
-"""Pause before a cell with the gpu-node topology: vLLM's shared-memory queues between an engine and its worker
-busy-poll for 1 s after their last message, so the engine that ran the previous cell keeps the model's cores
-busy that long (a deployment runs one engine per accelerator and never sees it)."""
+"""Pause before a cell with the gpu-node topology when another engine ran last: vLLM's shared-memory queues
+between an engine and its worker busy-poll for 1 s after their last message, so that engine keeps the model's
+cores busy that long (a deployment runs one engine per accelerator and never sees it). Counted from when the other
+engine finished; a cell after one of its own engine's (the levels of a mode follow each other) needs none."""
 CALIBRATE_EST_S = 15.0  # one engine's calibration (probes.calibrate), for the progress bar's ETA
 
 
@@ -285,6 +286,7 @@ class Bench:
         self.engine_block_tokens: int | None = None  # vLLM's KV block size, from the populate engine
         self.calibrate_args: dict[str, int] = {}
         self.mode_calibrations: dict[str, dict] = {}  # the simulated modes' engines, each after its cells
+        self.last_active: tuple[str, float] | None = None  # the mode engine that last ran something, and when
         # What the options decide, before anything runs
         o = opts
         self.model = resolve_model(o.model, o.engine_args)
@@ -691,6 +693,7 @@ class Bench:
             self.p.update(f"{mode}: running the prelude in its own store")
             me.eng.call("run", file=self.wfile, level="prelude", concurrency=max(o.concurrency), tag="prelude",
                         timeout_s=o.cell_timeout_s)  # fmt: skip
+        self.last_active = (mode, time.monotonic())  # its warm-up (and preload or prelude) just ran
         return me
 
     def _mode_cell(self, me: _ModeEngine, c: int, round_: int) -> tuple[dict, dict]:
@@ -702,16 +705,25 @@ class Bench:
         if me.mode in CONNECTOR_MODES and me.mode != "dram":
             me.eng.call("cool_dram")
         tag = f"{me.mode}-c{c}" + (f"-r{round_}" if o.repeats > 1 else "")
-        if self.topology.kind == "gpu-node":
-            time.sleep(ENGINE_SETTLE_S)  # the other engines' workers stop polling the model's cores
+        self._settle(me.mode)
         fresh = not self.workload.declared.get("reuse", True)  # each round's prompts new to every tier
-        res = me.eng.call("run", file=self.wfile, level=c, concurrency=c, tag=tag, timeout_s=o.cell_timeout_s,
-                          timeout=o.cell_timeout_s + 300, record_steps=o.step_log,
-                          salt=round_ if fresh else 0)  # fmt: skip
+        try:
+            res = me.eng.call("run", file=self.wfile, level=c, concurrency=c, tag=tag, timeout_s=o.cell_timeout_s,
+                              timeout=o.cell_timeout_s + 300, record_steps=o.step_log,
+                              salt=round_ if fresh else 0)  # fmt: skip
+        finally:
+            self.last_active = (me.mode, time.monotonic())
         steps = res.pop("steps", None)
         if round_ == 0:  # the step check replays one round per cell
             self._write_steps(f"{me.mode}-c{c}", steps)
         return res, {}
+
+    def _settle(self, mode: str) -> None:
+        """With the gpu-node topology, wait until another engine that ran last has stopped polling the model's
+        cores (`ENGINE_SETTLE_S` after it finished)."""
+        if self.topology.kind != "gpu-node" or self.last_active is None or self.last_active[0] == mode:
+            return
+        time.sleep(max(0.0, self.last_active[1] + ENGINE_SETTLE_S - time.monotonic()))
 
     def _close_mode(self, me: _ModeEngine, calibrate: bool = True) -> None:
         try:

@@ -5,15 +5,20 @@ request that waits now is never stuck behind speculative prefetch or write-back 
 deduplicated by (tier, key): a demand load for a chunk already being prefetched joins that read (and lifts it
 to demand priority if it has not started), so a chunk is never read twice. A prefetch can be cancelled (or
 given a deadline) as long as it has not started and nobody else waits on it.
+
+An op may also find, once it runs, that there is nothing to move (another process read the chunk first: the
+shared DRAM pool lets it join that read). Such ops are submitted ``paced_inside`` and call `IOEngine.transfer`
+around the bytes they really move, so the emulated storage caps and the byte counts apply to real transfers only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import CancelledError, Future
 from enum import IntEnum
 from typing import Any
@@ -34,13 +39,17 @@ class IOClass(IntEnum):
 
 
 class _Op:
-    __slots__ = ("cls", "deadline", "dedup", "fn", "future", "holders", "nbytes", "started", "tier")
+    __slots__ = ("cls", "deadline", "dedup", "fn", "future", "holders", "moved", "nbytes", "paced_inside", "started",
+                 "tier")  # fmt: skip
 
-    def __init__(self, tier: str, cls: IOClass, fn: Callable[[], Any], nbytes: int, dedup, deadline):
+    def __init__(self, tier: str, cls: IOClass, fn: Callable[[], Any], nbytes: int, dedup, deadline,
+                 paced_inside: bool = False):  # fmt: skip
         self.tier, self.cls, self.fn, self.nbytes, self.dedup, self.deadline = tier, cls, fn, nbytes, dedup, deadline
         self.future: Future = Future()
         self.holders = 0
         self.started = False
+        self.paced_inside = paced_inside  # fn calls IOEngine.transfer() around what it really moves
+        self.moved = False  # (paced_inside ops) whether it did move its bytes
 
 
 class IOTicket:
@@ -85,6 +94,7 @@ class IOEngine:
         self._inflight: dict[Any, _Op] = {}
         self._closed = False
         self._cpus = tuple(cpus) if cpus else None
+        self._running = threading.local()  # .op: the op this I/O thread runs now (for transfer())
         self._threads = [threading.Thread(target=self._worker, name=f"{name}-{i}", daemon=True) for i in range(threads)]
         for t in self._threads:
             t.start()
@@ -133,11 +143,16 @@ class IOEngine:
         nbytes: int = 0,
         dedup: Any = None,
         deadline: float | None = None,
+        paced_inside: bool = False,
     ) -> IOTicket:
-        """Queue fn; with a dedup key, join an op already queued or running for the same key."""
+        """Queue fn; with a dedup key, join an op already queued or running for the same key.
+
+        paced_inside: fn may find nothing to move; it calls `transfer()` around the bytes it does move, and only
+        then do the tier's emulated caps apply and do its nbytes count as moved."""
         if dedup is not None and (ticket := self.join(dedup, cls)) is not None:
             return ticket
-        return self.submit_shared(tier, cls, fn, nbytes, [dedup] if dedup is not None else [], deadline)[0]
+        dedups = [dedup] if dedup is not None else []
+        return self.submit_shared(tier, cls, fn, nbytes, dedups, deadline, paced_inside)[0]
 
     def join(self, dedup: Any, cls: IOClass) -> IOTicket | None:
         """A ticket on the op queued or running under dedup (lifted to cls if more urgent), or None."""
@@ -163,13 +178,14 @@ class IOEngine:
         nbytes: int,
         dedups: list,
         deadline: float | None = None,
+        paced_inside: bool = False,
     ) -> list[IOTicket]:
         """Queue one op that serves several dedup keys (e.g. a batched read); one ticket per key (at least one).
         Callers join first: a key already in flight is not registered again."""
         with self._cv:
             if self._closed:
                 raise RuntimeError("I/O engine is closed")
-            op = _Op(tier, cls, fn, nbytes, tuple(dedups), deadline)
+            op = _Op(tier, cls, fn, nbytes, tuple(dedups), deadline, paced_inside)
             op.holders = max(1, len(dedups))
             for key in dedups:
                 self._inflight.setdefault(key, op)
@@ -223,24 +239,51 @@ class IOEngine:
             if not op.future.set_running_or_notify_cancel():
                 continue
             t0 = time.monotonic()
-            end = self._emulated_end(op, t0)
-            if end is not None:  # the emulated transfer first: the chunk appears when that transfer would end
-                wait_until(end)
+            self._running.op = op
             try:
-                t_read = time.monotonic()
-                result = op.fn()
-                self._learn_read_time(op, time.monotonic() - t_read)
+                if op.paced_inside:
+                    result = op.fn()
+                else:
+                    with self._paced(op):
+                        result = op.fn()
             except BaseException as err:  # delivered to every waiter through the future
                 self._finish(op, t0, ok=False)
                 op.future.set_exception(err)
             else:
                 self._finish(op, t0, ok=True)
                 op.future.set_result(result)
+            finally:
+                self._running.op = None
+
+    @contextlib.contextmanager
+    def _paced(self, op: _Op) -> Iterator[None]:
+        """Around op's real transfer: the emulated transfer first (the bytes appear when it would end), then the
+        transfer itself, timed for `_learn_read_time`."""
+        end = self._emulated_end(op, time.monotonic())
+        if end is not None:
+            wait_until(end)
+        t = time.monotonic()
+        yield
+        self._learn_read_time(op, time.monotonic() - t)
+        op.moved = True
+
+    @contextlib.contextmanager
+    def transfer(self) -> Iterator[None]:
+        """What a `paced_inside` op runs its real transfer in (outside an op, or in any other op: nothing)."""
+        op = getattr(self._running, "op", None)
+        if op is None or not op.paced_inside:
+            yield
+            return
+        with self._paced(op):
+            yield
 
     def _finish(self, op: _Op, t0: float, ok: bool) -> None:
         with self._cv:
             self._forget(op)
-        self.stats.finished(op.tier, op.cls.label, op.nbytes, time.monotonic() - t0, ok)
+        if ok and not op.moved:  # a paced_inside op that found nothing to move (another reader moved it)
+            self.stats.joined(op.tier, op.cls.label)
+        else:
+            self.stats.finished(op.tier, op.cls.label, op.nbytes, time.monotonic() - t0, ok)
 
     def pending(self, tier: str | None = None) -> int:
         """Ops queued or running (for one tier or all)."""

@@ -16,6 +16,7 @@ class ClassStats:
     errors: int = 0
     cancelled: int = 0
     expired: int = 0
+    joined: int = 0  # ops that moved nothing: another reader (thread or process) had moved the bytes first
     seconds: float = 0.0
     queued: int = 0
     running: int = 0
@@ -31,6 +32,7 @@ class ClassStats:
             "errors": self.errors,
             "cancelled": self.cancelled,
             "expired": self.expired,
+            "joined": self.joined,
             "busy_seconds": round(self.seconds, 6),
             "queued": self.queued,
             "running": self.running,
@@ -79,6 +81,13 @@ class IOStats:
                 s.recent_latency.append(seconds)
             else:
                 s.errors += 1
+
+    def joined(self, tier: str, cls: str) -> None:
+        """An op ended without moving anything (not an I/O: no bytes, no op, no latency sample)."""
+        with self._lock:
+            s = self._get(tier, cls)
+            s.running -= 1
+            s.joined += 1
 
     def dropped(self, tier: str, cls: str, reason: str) -> None:
         with self._lock:
