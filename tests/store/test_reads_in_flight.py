@@ -25,9 +25,14 @@ def _read_from_many_threads(store, keys, readers: int = 4) -> None:
         t.join()
 
 
-def _peak_disk_reads(store) -> int:
+def _disk_read_stats(store) -> list[dict]:
+    """The store's I/O stats of its disk reads (demand and prefetch; write-back left out)."""
     io = store.stats()["io"]
-    return max(v["max_running"] for k, v in io.items() if k.startswith("disk/") and not k.endswith("writeback"))
+    return [v for k, v in io.items() if k.startswith("disk/") and not k.endswith("writeback")]
+
+
+def _peak_disk_reads(store) -> int:
+    return max(v["max_running"] for v in _disk_read_stats(store))
 
 
 def test_one_io_thread_keeps_one_disk_read_in_flight(open_store, keyer):
@@ -56,8 +61,7 @@ def test_a_stream_cap_makes_the_store_read_each_chunk_no_faster_than_one_stream(
 
 def _disk_reads(store) -> tuple[int, int]:
     """(bytes moved, ops that joined another reader's read) by the store's disk reads."""
-    io = store.stats()["io"]
-    reads = [v for k, v in io.items() if k.startswith("disk/") and not k.endswith("writeback")]
+    reads = _disk_read_stats(store)
     return sum(v["bytes"] for v in reads), sum(v["joined"] for v in reads)
 
 

@@ -49,7 +49,7 @@ class _Op:
         self.holders = 0
         self.started = False
         self.paced_inside = paced_inside  # fn calls IOEngine.transfer() around what it really moves
-        self.moved = False  # (paced_inside ops) whether it did move its bytes
+        self.moved = False  # set once its transfer ran (a paced_inside op may find nothing to transfer)
 
 
 class IOTicket:
