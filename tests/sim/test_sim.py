@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvprefetch.sim.catalog import ACCELERATORS, MODELS
 from kvprefetch.sim.costs import Deployment
-from kvprefetch.sim.engine import SimConfig, simulate
+from kvprefetch.sim.engine import SimConfig, StepLoads, simulate
 from kvprefetch.sim.fit import solve_one
 from kvprefetch.sim.freeform import Load, Setup, run_setup
 from kvprefetch.sim.hitratio import hit_ratio_curve
@@ -74,15 +74,18 @@ def test_sync_loading_stalls_and_async_does_not():
     assert _context_run(Policy.ONDEMAND, 8).stall_s == 0
 
 
-def _sync_burst(in_step: bool, conc: int = 4, bw: float = 2e9):
+SYNC_DEP = Deployment(MODELS["qwen3-coder-480b-fp8"], ACCELERATORS["mi308x"], tp=8, efficiency=0.05)
+
+
+def _sync_burst(in_step: bool, conc: int = 4, bw: float = 2e9, step_loads: StepLoads = StepLoads.OVERLAPPED):
     """`conc` cold requests arriving at once, their 16k-token contexts on a 2 GB/s tier, sync loading."""
-    dep = Deployment(MODELS["qwen3-coder-480b-fp8"], ACCELERATORS["mi308x"], tp=8, efficiency=0.05)
     reqs = context_requests(conc, 16384, 1024, 64)
     stored = [b for r in reqs for b in r.hash_ids[:32]]
     tiers = (TierSpec("dram", None, 400e9), TierSpec("nvme", None, bw, 1e-4))
-    cfg = SimConfig(dep, Policy.ONDEMAND_SYNC, tiers, concurrency=conc, preload={"nvme": stored},
-                    load_vs_recompute=False, hbm_cache_blocks=0, sync_loads_in_step=in_step)  # fmt: skip
-    return simulate(cfg, reqs), conc * 16384 * dep.model.kv_bytes_per_token / bw
+    cfg = SimConfig(SYNC_DEP, Policy.ONDEMAND_SYNC, tiers, concurrency=conc, preload={"nvme": stored},
+                    load_vs_recompute=False, hbm_cache_blocks=0, sync_loads_in_step=in_step,
+                    step_loads=step_loads)  # fmt: skip
+    return simulate(cfg, reqs), conc * 16384 * SYNC_DEP.model.kv_bytes_per_token / bw
 
 
 def test_in_step_sync_loads_admit_the_burst_together_and_the_step_waits_for_every_load():
@@ -92,6 +95,20 @@ def test_in_step_sync_loads_admit_the_burst_together_and_the_step_waits_for_ever
     assert res.stall_s == pytest.approx(load_all, rel=0.01)
     serial, _ = _sync_burst(False)
     assert len(set(serial.first_token.round(9))) == 4  # the whitepaper's baseline admits them one by one
+
+
+def test_a_serial_step_takes_its_loads_and_its_compute_an_overlapped_one_the_longer():
+    """One request loading 16k tokens of context in the step that prefills its 1024 new ones: on a CPU engine
+    (`StepLoads.SERIAL`) the step waits for the copies, then computes; with DMA engines (`OVERLAPPED`) the
+    copies run beside the compute."""
+    compute = SYNC_DEP.step_time([(16384, 1024)], 0, 0.0)
+    overlapped, load = _sync_burst(True, conc=1)
+    serial, _ = _sync_burst(True, conc=1, step_loads=StepLoads.SERIAL)
+    host = 16384 * SYNC_DEP.model.kv_bytes_per_token / (SYNC_DEP.accelerator.host_link_bw * SYNC_DEP.tp)
+    assert load > compute  # so the two differ by the whole compute
+    assert overlapped.first_token[0] == pytest.approx(load + host, rel=1e-3)
+    assert serial.first_token[0] == pytest.approx(load + host + compute, rel=1e-3)
+    assert serial.stall_s == overlapped.stall_s
 
 
 def test_recompute_does_no_loads():

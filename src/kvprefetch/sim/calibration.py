@@ -29,7 +29,7 @@ from kvprefetch.modes import SIMULATED
 from kvprefetch.results import BenchResults, PreludeCounters
 from kvprefetch.sim.catalog import MODELS, Accelerator
 from kvprefetch.sim.costs import Deployment
-from kvprefetch.sim.engine import SimConfig, Simulator
+from kvprefetch.sim.engine import SimConfig, Simulator, StepLoads
 from kvprefetch.sim.policy import Policy
 from kvprefetch.sim.result import SimResult
 from kvprefetch.sim.tiers import TierSpec
@@ -424,6 +424,7 @@ def replay_cells(
                 block_tokens=size,
                 engine_block_pool=True,
                 sync_loads_in_step=True,
+                step_loads=StepLoads.SERIAL,  # as `_load_bandwidth` derived the load rate
                 request_overhead_s=request_overhead(cal, calibrated.accelerator.step_overhead_s) / k,
                 io_cpu_s_per_byte=charged_io_cpu(cal) / k,
                 io_cpu_on_loads=not load_path_measured(cal),

@@ -11,6 +11,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import numpy as np
 
@@ -22,6 +23,18 @@ from kvprefetch.sim.policy import Policy
 from kvprefetch.sim.result import SimResult
 from kvprefetch.sim.tiers import BlockCache, Pipe, TierSpec, Transfer
 from kvprefetch.workload.request import Request
+
+
+class StepLoads(StrEnum):
+    """How a step shares its time with the in-step loads it waits for (`SimConfig.sync_loads_in_step`)."""
+
+    OVERLAPPED = "overlapped"
+    """The copies run beside the compute, layer by layer (DMA engines beside a GPU): the step takes the longer."""
+    SERIAL = "serial"
+    """The step takes both: the compute waits for the copies. Our CPU engine: the bench's calibration derives
+    its load rate so (`calibration._load_bandwidth`: the reload's time less the front end less the compute), and
+    its steps bear it out (`kvprefetch bench --step-log`, dram at c=32: a prefill step of four 8 MiB loads took
+    88 ms median; its compute is priced at 45 ms and the copies at the calibrated rate at 40 ms)."""
 
 
 @dataclass(frozen=True)
@@ -44,12 +57,13 @@ class SimConfig:
     run at once and which earlier turns are still cached. Otherwise the engine's prefix cache is an LRU beside
     the running requests, whose KV is reserved whole against the deployment's capacity.
     `sync_loads_in_step`: how loads meet the steps. True: as our connector does, a request whose external hits
-    are all in DRAM when the scheduler admits it is loaded inside the step that prefills it (overlapped layer by
-    layer with the step's compute, so the whole batch waits for those copies), and so is every request under
-    `ondemand-sync` (its `load_mode: sync`: storage -> DRAM -> engine in the step); other loads run beside the
-    steps (the request waits, and with `engine_block_pool` its blocks are cached only once they have arrived,
-    as vLLM caches an asynchronous load's blocks). False: the whitepaper's baseline as `Policy.ONDEMAND_SYNC`
-    describes it (loads serialised in admission), and every other load beside the steps.
+    are all in DRAM when the scheduler admits it is loaded inside the step that prefills it (the whole batch
+    waits for those copies), and so is every request under `ondemand-sync` (its `load_mode: sync`: storage ->
+    DRAM -> engine in the step); other loads run beside the steps (the request waits, and with
+    `engine_block_pool` its blocks are cached only once they have arrived, as vLLM caches an asynchronous load's
+    blocks). False: the whitepaper's baseline as `Policy.ONDEMAND_SYNC` describes it (loads serialised in
+    admission), and every other load beside the steps.
+    `step_loads`: whether a step's compute overlaps the in-step loads it waits for (`StepLoads`).
     `io_cpu_s_per_byte`: where the KV moves by CPU copies on the cores that also compute (our CPU bench), every
     byte moved (storage -> DRAM, DRAM -> engine, and each tier a saved block is written to) delays the next
     step by this long. 0 where DMA engines move it (GPUs): transfers then only take time on their pipes.
@@ -74,6 +88,7 @@ class SimConfig:
     engine_block_pool: bool = False
     request_overhead_s: float = 0.0
     sync_loads_in_step: bool = False
+    step_loads: StepLoads = StepLoads.OVERLAPPED
     io_cpu_s_per_byte: float = 0.0
     io_cpu_on_loads: bool = True
     engine_block_tokens: int | None = None
@@ -172,7 +187,7 @@ class Simulator:
         self.recomputed_slower = 0  # tier hits the load-or-recompute rule recomputed (the connector's counter)
         self.steps = 0
         self._recompute_cost: dict[tuple[int, int], float] = {}
-        self.step_floor = 0.0  # the running step cannot end before its in-step loads land
+        self.step_floor = 0.0  # when the running step's in-step loads land (0: none)
         self._early: dict[int, _Req] = {}
         self.saved_bytes = 0.0  # blocks written to the tiers after prefill
         self.session_prompt: dict[int, int] = {}  # each session's last prefilled prompt length
@@ -471,7 +486,10 @@ class Simulator:
     def _step(self, plan: list[tuple[_Req, int]]) -> None:
         chunks = [(st.offset, n) for st, n in plan]
         step = self.dep.step_time(chunks, len(self.decoding), self.decode_ctx) + self._io_delay()
-        self.now = max(self.now + step, self.step_floor)
+        if self.cfg.step_loads is StepLoads.SERIAL:
+            self.now += max(0.0, self.step_floor - self.now) + step
+        else:
+            self.now = max(self.now + step, self.step_floor)
         self.step_floor = 0.0
         self.steps += 1
         self._advance_decodes(1)
