@@ -17,6 +17,10 @@ already in DRAM costs only its copy. An asynchronous load (one that reaches belo
 `load_mode` is async) also costs the rest of the engine step being scheduled (`async_s`): vLLM schedules the
 request only in a step after its load is reported done. The simulator brings its own `ready` (its tiers are
 pipes with latencies and parallelism) and its own `recompute` (its step cost model) to the same decision.
+
+The second rule (`finish_in_step`, `load_mode: auto`): a request whose reads are still running when the scheduler
+reaches it either waits for them inside the step (the batch waits too) or is parked; connector and simulator
+decide it alike.
 """
 
 from __future__ import annotations
@@ -86,6 +90,24 @@ def best_prefix(ready: Sequence[float], recompute: Sequence[float], margin: floa
         if gain > best_gain:
             best_gain, best_k = gain, j + 1
     return best_k
+
+
+MIN_STEP_S = 0.005
+"""The shortest engine step `finish_in_step` assumes: a step's scheduling and forward cost at least this much (a
+decode step of the packaged tiny model on this CPU: 3-6 ms)."""
+
+
+def finish_in_step(reads_s: float, running: int, step_s: float) -> bool:
+    """``load_mode: auto``: finish a reached request's remaining storage reads inside this step, or park it?
+
+    Inside the step, the reads (``reads_s``, the queue ahead of them included) stall the whole batch: this
+    request and the ``running`` others each wait that long. Parked (async), only this request waits, but at
+    least one step, since vLLM looks at a parked request again only at the next one: ``max(reads_s, step)``.
+    Finish in the step iff ``reads_s * (1 + running) <= max(reads_s, step)``. An idle engine (nothing running)
+    always reads in the step; a busy one does so only for reads shorter than a step shared by all it runs. The
+    step is never taken below `MIN_STEP_S` (scheduling and a forward cost at least that).
+    """
+    return reads_s * (1 + max(running, 0)) <= max(reads_s, step_s, MIN_STEP_S)
 
 
 def plan(on_disk: Sequence[bool], rates: Rates, first: int = 0, queue_bytes: int = 0,

@@ -153,6 +153,29 @@ def test_loads_from_disk_run_beside_the_steps_and_are_cached_once_arrived():
     assert res.tokens_from == {"computed": 2 * 10, "hbm": 0, "dram": 4 * 256, "disk": 12 * 256}
 
 
+def _late_burst(late_loads: str):
+    """Two requests at once, 4 blocks each on disk only, prefetched on arrival: their reads are still running
+    when the idle engine's scheduler reaches them."""
+    x = Request(0.0, 0, 0, 4 * 256 + 10, 2, (1, 2, 3, 4), RECIPE)
+    y = Request(0.0, 1, 0, 4 * 256 + 10, 2, (5, 6, 7, 8), RECIPE)
+    tiers = (TierSpec("dram", None, 8e9), TierSpec("disk", None, 0.5e9, 1e-4))
+    cfg = SimConfig(DEP, Policy.PREFETCH, tiers, concurrency=2, preload={"disk": list(range(1, 9))},
+                    load_vs_recompute=False, hbm_cache_blocks=64, block_tokens=256, engine_block_pool=True,
+                    sync_loads_in_step=True, late_loads=late_loads)  # fmt: skip
+    return simulate(cfg, [x, y])
+
+
+def test_an_idle_engine_finishes_late_prefetches_in_the_step_under_auto_and_parks_them_under_async():
+    """The connector's `load_mode: auto` (`loadplan.finish_in_step`): with nothing running, waiting for the reads
+    inside the step costs no other request anything, so both requests are prefilled in one step once both reads
+    have landed (as the bench's prefetch c=8 cell's first step does: four requests, their reads finished in
+    it). Parked (async), each is prefilled on its own when its load lands."""
+    auto, parked = _late_burst("auto"), _late_burst("async")
+    assert auto.first_token[0] == auto.first_token[1]
+    assert parked.first_token[0] < parked.first_token[1]
+    assert auto.steps < parked.steps
+
+
 def _adding_burst(policy: Policy, add_s: float):
     """Three requests submitted at once, sharing a 4-block prefix in DRAM, each with 4 blocks of its own on a
     disk that reads 4 blocks in 67 ms; the engine takes `add_s` to add each request."""

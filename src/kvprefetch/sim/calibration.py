@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from kvprefetch.keys import ChunkKeyer, KVNamespace
-from kvprefetch.modes import SIMULATED
+from kvprefetch.modes import MODE, SIMULATED
 from kvprefetch.results import BenchResults, PreludeCounters
 from kvprefetch.sim.catalog import MODELS, Accelerator
 from kvprefetch.sim.costs import Deployment
@@ -425,6 +425,7 @@ def replay_cells(
                 engine_block_pool=True,
                 sync_loads_in_step=True,
                 step_loads=StepLoads.SERIAL,  # as `_load_bandwidth` derived the load rate
+                late_loads=MODE[mode].load_mode or "async",
                 request_overhead_s=request_overhead(cal, calibrated.accelerator.step_overhead_s) / k,
                 io_cpu_s_per_byte=charged_io_cpu(cal) / k,
                 io_cpu_on_loads=not load_path_measured(cal),

@@ -16,7 +16,8 @@ from enum import StrEnum
 import numpy as np
 
 from kvprefetch.config import IOConfig
-from kvprefetch.loadplan import best_prefix
+from kvprefetch.loadplan import best_prefix, finish_in_step
+from kvprefetch.modes import LoadMode
 from kvprefetch.sim.block_pool import BlockPool
 from kvprefetch.sim.costs import Deployment
 from kvprefetch.sim.policy import Policy
@@ -64,6 +65,10 @@ class SimConfig:
     blocks). False: the whitepaper's baseline as `Policy.ONDEMAND_SYNC` describes it (loads serialised in
     admission), and every other load beside the steps.
     `step_loads`: whether a step's compute overlaps the in-step loads it waits for (`StepLoads`).
+    `late_loads`: with `sync_loads_in_step`, what becomes of a request whose storage reads are still running when
+    the scheduler admits it, as the connector's `load_mode` decides: "async" parks it (its load runs beside the
+    steps), "auto" finishes the reads inside the step when that costs the batch less (`loadplan.finish_in_step`,
+    on the reads' remaining time, the requests of the last step and that step's length), "sync" always does.
     `io_cpu_s_per_byte`: where the KV moves by CPU copies on the cores that also compute (our CPU bench), every
     byte moved (storage -> DRAM, DRAM -> engine, and each tier a saved block is written to) delays the next
     step by this long. 0 where DMA engines move it (GPUs): transfers then only take time on their pipes.
@@ -89,6 +94,7 @@ class SimConfig:
     request_overhead_s: float = 0.0
     sync_loads_in_step: bool = False
     step_loads: StepLoads = StepLoads.OVERLAPPED
+    late_loads: LoadMode = "async"
     io_cpu_s_per_byte: float = 0.0
     io_cpu_on_loads: bool = True
     engine_block_tokens: int | None = None
@@ -188,6 +194,7 @@ class Simulator:
         self.steps = 0
         self._recompute_cost: dict[tuple[int, int], float] = {}
         self.step_floor = 0.0  # when the running step's in-step loads land (0: none)
+        self.last_step = (0, 0.0)  # requests in the last step and its length ((0, 0): the engine idled since)
         self._early: dict[int, _Req] = {}
         self.saved_bytes = 0.0  # blocks written to the tiers after prefill
         self.session_prompt: dict[int, int] = {}  # each session's last prefilled prompt length
@@ -344,7 +351,7 @@ class Simulator:
         ext = sum(st.ext_bytes_by_tier.values())
         in_dram_at = self._in_dram_at(st)
         in_dram = in_dram_at is not None and in_dram_at <= self.now
-        if self.cfg.sync_loads_in_step and (self.cfg.policy is Policy.ONDEMAND_SYNC or in_dram):
+        if self.cfg.sync_loads_in_step and (self.cfg.policy is Policy.ONDEMAND_SYNC or in_dram or self._in_step(st)):
             landed = self.host.transfer(max(self.now, in_dram_at or 0.0), ext) if ext else self.now
             self.stall_s += max(0.0, landed - max(self.now, self.step_floor))
             self.step_floor = max(self.step_floor, landed)
@@ -368,6 +375,13 @@ class Simulator:
             self.tokens_from[where] += self.cfg.block_tokens
             if where == "hbm" and self.pool is None:
                 self.hbm.touch(b)
+
+    def _in_step(self, st: _Req) -> bool:
+        """Whether a request whose reads are still running is served inside this step (`late_loads`)."""
+        if self.cfg.late_loads != "auto":
+            return self.cfg.late_loads == "sync"
+        reads_s = max(0.0, (self._in_dram_at(st) or self.now) - self.now)
+        return finish_in_step(reads_s, *self.last_step)
 
     def _can_admit(self, st: _Req) -> bool:
         running = len(self.prefilling) + len(self.decoding) + len(self.loading)
@@ -491,6 +505,7 @@ class Simulator:
         else:
             self.now = max(self.now + step, self.step_floor)
         self.step_floor = 0.0
+        self.last_step = (len(plan) + len(self.decoding), step)
         self.steps += 1
         self._advance_decodes(1)
         for st, n in plan:
@@ -537,6 +552,7 @@ class Simulator:
         if np.isfinite(horizon):
             k = min(k, int(np.searchsorted(times, horizon)) + 1)
         self.now += float(times[k - 1]) + self._io_delay()
+        self.last_step = (n, float(times[k - 1] - (times[k - 2] if k > 1 else 0.0)))
         self.steps += k
         self._advance_decodes(k)
 
@@ -558,6 +574,7 @@ class Simulator:
                     raise RuntimeError("simulation stalled with requests left")
                 self.io_charged = self._bytes_moved()  # the copies ran while the engine idled
                 self.now = max(self.now, nxt)
+                self.last_step = (0, 0.0)
         return self._result()
 
     def tier_contents(self) -> dict[str, list[int]]:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvprefetch.loadplan import Plan, Rates, plan
+from kvprefetch.loadplan import Plan, Rates, finish_in_step, plan
 
 
 class Ema:
@@ -41,11 +41,6 @@ class Ema:
             return
         self.value = x if self.samples == 0 or self.value is None else (1 - self.alpha) * self.value + self.alpha * x
         self.samples += 1
-
-
-MIN_STEP_S = 0.005
-"""The shortest engine step `CostModel.finish_in_step` assumes: a step's scheduling and forward cost at least
-this much (a decode step of the packaged tiny model on this CPU: 3-6 ms)."""
 
 
 class TierMeter:
@@ -166,17 +161,10 @@ class CostModel:
         return self.rates().disk_s(nbytes)
 
     def finish_in_step(self, remaining_bytes: int, running: int, step_s: float) -> bool:
-        """``load_mode: auto``: finish a reached request's remaining disk reads inside this step, or park it?
-
-        Inside the step, the reads (``remaining_bytes``, the queue ahead of them included) stall the whole
-        batch: this request and the ``running`` others each wait ``t``. Parked (async), only this request waits,
-        but at least one step, since vLLM looks at a parked request again only at the next one: ``max(t, step)``.
-        Finish in the step iff ``t * (1 + running) <= max(t, step)``. An idle engine (nothing running) always
-        reads in the step; a busy one does so only for reads shorter than a step shared by all it runs. The step
-        is never taken below `MIN_STEP_S` (scheduling and a forward cost at least that).
-        """
-        t = self.disk_s(remaining_bytes)
-        return t * (1 + max(running, 0)) <= max(t, step_s, MIN_STEP_S)
+        """``load_mode: auto``: finish a reached request's remaining disk reads (``remaining_bytes``, the queue
+        ahead of them included) inside this step, or park it? The rule is `kvprefetch.loadplan.finish_in_step`,
+        on the measured disk rate, shared with the simulator."""
+        return finish_in_step(self.disk_s(remaining_bytes), running, step_s)
 
     def expected_step_s(self, last_step_tokens: int) -> float:
         """How long the step now being scheduled will take, predicted from the last one (0 tokens: idle)."""
