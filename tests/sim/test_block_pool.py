@@ -4,13 +4,14 @@ the simulator admits requests against it."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvprefetch.sim.block_pool import BlockPool
 from kvprefetch.sim.catalog import ACCELERATORS, MODELS
 from kvprefetch.sim.costs import Deployment
-from kvprefetch.sim.engine import SimConfig, Simulator, simulate
+from kvprefetch.sim.engine import SimConfig, Simulator, StepLoads, simulate
 from kvprefetch.sim.policy import Policy
 from kvprefetch.sim.tiers import TierSpec
 from kvprefetch.workload import ChatWorkload, generate_chat
@@ -232,3 +233,23 @@ def test_every_request_is_served_whatever_the_kv_size(seed, kv_blocks, policy, i
     res = simulate(cfg, reqs)
     assert res.requests == len(reqs) and np.all(res.first_token >= res.submit)
     assert sum(res.tokens_from.values()) == sum(r.input_len for r in reqs)
+
+
+def _copy_beside_decode(step_loads: StepLoads):
+    """One request decoding a long answer while another, its KV on disk only, loads beside the steps (parked)."""
+    x = Request(0.0, 0, 0, 300, 400, (), RECIPE)
+    y = Request(0.0, 1, 0, 4 * 256 + 10, 2, (1, 2, 3, 4), RECIPE)
+    tiers = (TierSpec("dram", None, 8e9), TierSpec("disk", None, 0.5e9, 1e-4))
+    cfg = SimConfig(DEP, Policy.ONDEMAND, tiers, concurrency=2, preload={"disk": [1, 2, 3, 4]},
+                    load_vs_recompute=False, hbm_cache_blocks=64, block_tokens=256, engine_block_pool=True,
+                    sync_loads_in_step=True, step_loads=step_loads)  # fmt: skip
+    return simulate(cfg, [x, y])
+
+
+def test_a_parked_requests_copy_into_the_engine_takes_the_models_time_on_a_cpu_engine():
+    """`StepLoads.SERIAL` (our CPU engine): the copies of a load beside the steps take the model's time as
+    in-step ones do, so the decoding request finishes later by that copy's time; with DMA engines
+    (`OVERLAPPED`) they cost the batch nothing."""
+    serial, overlapped = _copy_beside_decode(StepLoads.SERIAL), _copy_beside_decode(StepLoads.OVERLAPPED)
+    copy_s = 4 * 256 * DEP.model.kv_bytes_per_token / (DEP.accelerator.host_link_bw * DEP.tp)
+    assert serial.done[0] - overlapped.done[0] == pytest.approx(copy_s, rel=0.02)
