@@ -396,7 +396,9 @@ def replay_cells(
     run's order on that same store (so a level finds in DRAM what the levels before it left there, the shared
     system prompt among it), each with a fresh engine prefix cache (the engine's KV as vLLM's block pool: that
     cache is what its free blocks still hold). Each cell runs at the speed the machine's other processes left the
-    engine in it (`speed_factor`, from `foreign_cpu_cores` by cell; none given: the calibration's).
+    engine in it (`speed_factor`, from `foreign_cpu_cores` by cell; none given: the calibration's). Loads are
+    served as the mode's connector serves them (its `load_mode`: `SimConfig.late_loads`), and their copies into
+    the engine take the model's time, in the step or beside it (`StepLoads.SERIAL`).
     """
     calibrated = cpu_deployment(cal)
     size = cal.chunk_tokens
