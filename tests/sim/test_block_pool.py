@@ -124,17 +124,23 @@ def test_running_requests_share_a_common_prefix_against_the_capacity():
     assert alone.first_token[0] < alone.first_token[1]  # nothing in common: the second waits for the first
 
 
+def _as_connector(policy: Policy, reqs: list[Request], preload: dict[str, list[int]], **kw):
+    """`reqs` two at a time on a DRAM tier over a 0.5 GB/s disk, loaded as our connector loads
+    (`sync_loads_in_step`, every hit loaded), the engine's KV a block pool of 64 blocks; `kw`: more settings."""
+    tiers = (TierSpec("dram", None, 8e9), TierSpec("disk", None, 0.5e9, 1e-4))
+    cfg = SimConfig(DEP, policy, tiers, concurrency=2, preload=preload, load_vs_recompute=False,
+                    hbm_cache_blocks=64, block_tokens=256, engine_block_pool=True, sync_loads_in_step=True,
+                    **kw)  # fmt: skip
+    return simulate(cfg, reqs)
+
+
 def _burst(where: tuple[str, ...]):
     """Two requests at once, sharing a 4-block prefix, each with 4 blocks of its own, every block stored in
     `where`; loaded as our connector loads (`sync_loads_in_step`)."""
     x = Request(0.0, 0, 0, 8 * 256 + 10, 2, (1, 2, 3, 4, 5, 6, 7, 8), RECIPE)
     y = Request(0.0, 1, 0, 8 * 256 + 10, 2, (1, 2, 3, 4, 15, 16, 17, 18), RECIPE)
-    tiers = (TierSpec("dram", None, 8e9), TierSpec("disk", None, 0.5e9, 1e-4))
     stored = [b for r in (x, y) for b in r.hash_ids]
-    cfg = SimConfig(DEP, Policy.ONDEMAND, tiers, concurrency=2, preload={name: stored for name in where},
-                    load_vs_recompute=False, hbm_cache_blocks=64, block_tokens=256, engine_block_pool=True,
-                    sync_loads_in_step=True)  # fmt: skip
-    return simulate(cfg, [x, y])
+    return _as_connector(Policy.ONDEMAND, [x, y], {name: stored for name in where})
 
 
 def test_loads_from_dram_run_in_the_step_and_are_cached_for_the_burst_at_once():
@@ -159,11 +165,7 @@ def _late_burst(late_loads: str):
     when the idle engine's scheduler reaches them."""
     x = Request(0.0, 0, 0, 4 * 256 + 10, 2, (1, 2, 3, 4), RECIPE)
     y = Request(0.0, 1, 0, 4 * 256 + 10, 2, (5, 6, 7, 8), RECIPE)
-    tiers = (TierSpec("dram", None, 8e9), TierSpec("disk", None, 0.5e9, 1e-4))
-    cfg = SimConfig(DEP, Policy.PREFETCH, tiers, concurrency=2, preload={"disk": list(range(1, 9))},
-                    load_vs_recompute=False, hbm_cache_blocks=64, block_tokens=256, engine_block_pool=True,
-                    sync_loads_in_step=True, late_loads=late_loads)  # fmt: skip
-    return simulate(cfg, [x, y])
+    return _as_connector(Policy.PREFETCH, [x, y], {"disk": list(range(1, 9))}, late_loads=late_loads)
 
 
 def test_an_idle_engine_finishes_late_prefetches_in_the_step_under_auto_and_parks_them_under_async():
@@ -239,11 +241,7 @@ def _copy_beside_decode(step_loads: StepLoads):
     """One request decoding a long answer while another, its KV on disk only, loads beside the steps (parked)."""
     x = Request(0.0, 0, 0, 300, 400, (), RECIPE)
     y = Request(0.0, 1, 0, 4 * 256 + 10, 2, (1, 2, 3, 4), RECIPE)
-    tiers = (TierSpec("dram", None, 8e9), TierSpec("disk", None, 0.5e9, 1e-4))
-    cfg = SimConfig(DEP, Policy.ONDEMAND, tiers, concurrency=2, preload={"disk": [1, 2, 3, 4]},
-                    load_vs_recompute=False, hbm_cache_blocks=64, block_tokens=256, engine_block_pool=True,
-                    sync_loads_in_step=True, step_loads=step_loads)  # fmt: skip
-    return simulate(cfg, [x, y])
+    return _as_connector(Policy.ONDEMAND, [x, y], {"disk": [1, 2, 3, 4]}, step_loads=step_loads)
 
 
 def test_a_parked_requests_copy_into_the_engine_takes_the_models_time_on_a_cpu_engine():

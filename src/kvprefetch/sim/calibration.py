@@ -33,11 +33,15 @@ from kvprefetch.sim.engine import SimConfig, Simulator, StepLoads
 from kvprefetch.sim.policy import Policy
 from kvprefetch.sim.result import SimResult
 from kvprefetch.sim.tiers import TierSpec
+from kvprefetch.vllm.settings import ConnectorSettings
 from kvprefetch.workload.replay import BenchWorkload, Session, workload_from_declared
 from kvprefetch.workload.request import Request, TokenRecipe
 
 MEASURED_DISK_LATENCY_S = 1e-4
 """The bench measures its disk tier's read rate, not its latency: a local disk's (estimate)."""
+
+CONNECTOR_LOAD_MODE = ConnectorSettings.model_fields["load_mode"].default
+"""The connector's `load_mode` where a mode leaves it unset (`kvprefetch.modes`)."""
 
 BENCH_MODES: dict[str, Policy] = {mode: Policy(policy) for mode, policy in SIMULATED.items()}
 """The bench modes the replay predicts, each as the policy that models it (`kvprefetch.modes`)."""
@@ -427,7 +431,7 @@ def replay_cells(
                 engine_block_pool=True,
                 sync_loads_in_step=True,
                 step_loads=StepLoads.SERIAL,  # as `_load_bandwidth` derived the load rate
-                late_loads=MODE[mode].load_mode or "async",
+                late_loads=MODE[mode].load_mode or CONNECTOR_LOAD_MODE,
                 request_overhead_s=request_overhead(cal, calibrated.accelerator.step_overhead_s) / k,
                 io_cpu_s_per_byte=charged_io_cpu(cal) / k,
                 io_cpu_on_loads=not load_path_measured(cal),

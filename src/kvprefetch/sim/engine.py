@@ -354,7 +354,10 @@ class Simulator:
         ext = sum(st.ext_bytes_by_tier.values())
         in_dram_at = self._in_dram_at(st)
         in_dram = in_dram_at is not None and in_dram_at <= self.now
-        if self.cfg.sync_loads_in_step and (self.cfg.policy is Policy.ONDEMAND_SYNC or in_dram or self._in_step(st)):
+        in_step = self.cfg.sync_loads_in_step and (
+            self.cfg.policy is Policy.ONDEMAND_SYNC or in_dram or self._in_step(in_dram_at)
+        )
+        if in_step:
             landed = self.host.transfer(max(self.now, in_dram_at or 0.0), ext) if ext else self.now
             self.stall_s += max(0.0, landed - max(self.now, self.step_floor))
             self.step_floor = max(self.step_floor, landed)
@@ -381,11 +384,12 @@ class Simulator:
             if where == "hbm" and self.pool is None:
                 self.hbm.touch(b)
 
-    def _in_step(self, st: _Req) -> bool:
-        """Whether a request whose reads are still running is served inside this step (`late_loads`)."""
+    def _in_step(self, in_dram_at: float | None) -> bool:
+        """Whether a request whose reads land in DRAM at `in_dram_at` (still running) is served inside this step
+        (`late_loads`)."""
         if self.cfg.late_loads != "auto":
             return self.cfg.late_loads == "sync"
-        reads_s = max(0.0, (self._in_dram_at(st) or self.now) - self.now)
+        reads_s = max(0.0, (in_dram_at or self.now) - self.now)
         return finish_in_step(reads_s, *self.last_step)
 
     def _can_admit(self, st: _Req) -> bool:
