@@ -30,6 +30,7 @@ from kvprefetch.tiers.access import FileAccess
 from kvprefetch.tiers.chunk_format import HEADER_BYTES, CorruptChunk, image_bytes, write_header
 from kvprefetch.tiers.disk import ChunkMissing, DiskTier, aligned_buffer
 from kvprefetch.tiers.dram import SHM_DIR, SharedChunkPool, pool_directory
+from kvprefetch.tiers.memory import copy_bytes
 from kvprefetch.tiers.remote import RemoteRejected, RemoteTier, open_backend
 from kvprefetch.tiers.staging import StagingBuffers
 
@@ -392,7 +393,7 @@ class TieredStore:
             if len(payload) != len(dst):
                 self._load_failed(key, CorruptChunk(f"chunk of {len(payload)} B into a {len(dst)} B buffer"))
                 return False
-            dst[:] = payload
+            copy_bytes(dst, payload)
         finally:
             self.dram.release(slot)
         self.counters[f"{tier.value}_hits"] += 1
@@ -420,7 +421,7 @@ class TieredStore:
         except (ChunkMissing, CorruptChunk, OSError) as err:
             self._load_failed(key, err)
             return False
-        dst[:] = image[HEADER_BYTES : HEADER_BYTES + nbytes]
+        copy_bytes(dst, image[HEADER_BYTES : HEADER_BYTES + nbytes])
         self.counters["disk_hits"] += 1
         return True
 
@@ -480,7 +481,7 @@ class TieredStore:
             slot = self.dram.allocate(key, len(src))
             if slot is not None:
                 image = self.dram.image(slot)
-                image[HEADER_BYTES : HEADER_BYTES + len(src)] = src
+                copy_bytes(image[HEADER_BYTES : HEADER_BYTES + len(src)], src)
                 crash_point("store.put.payload_copied")
                 write_header(image, key, len(src))
                 crash_point("store.put.header_written")
@@ -496,7 +497,7 @@ class TieredStore:
                 if self.disk is None:
                     continue
                 image = aligned_buffer(self.image_bytes)
-                image[HEADER_BYTES : HEADER_BYTES + len(src)] = src
+                copy_bytes(image[HEADER_BYTES : HEADER_BYTES + len(src)], src)
                 write_header(image, key, len(src))
             self.counters["put_chunks"] += 1
             if self.disk is not None:

@@ -39,6 +39,11 @@ def test_two_instance_and_remote_end_to_end(tmp_path):
         out=tmp_path / "out",
         cache_dir=tmp_path / "cache",
         cell_timeout_s=300,
+        # what this test is about (which caches the instances share) does not depend on where the threads run:
+        # the gpu-node topology (a worker process per engine, ~14 s more to start each of the six) is
+        # test_bench_e2e's to check; nothing here reads the modes' own calibrations either
+        topology="shared",
+        calibrate_modes=False,
     )
     results = run_and_report(opts)
     rows = {r["mode"]: r for r in results["rows"]}

@@ -3,6 +3,7 @@
 import multiprocessing as mp
 import os
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -120,3 +121,35 @@ def test_a_slot_whose_image_is_not_its_keys_chunk_is_refused(pool):
     write_header(pool.image(slot), key(2), PAYLOAD)  # the image now claims another key
     with pytest.raises(CorruptChunk, match="another key"):
         pool.payload(slot, key(1))
+
+
+def test_a_process_maps_a_slots_pages_in_one_call_the_first_time_it_takes_its_image(pool):
+    """`image` populates the slot's pages before the caller touches any (see kvprefetch.tiers.memory)."""
+    put(pool, key(6))
+    parent, child = mp.Pipe()
+    proc = mp.get_context("spawn").Process(target=_child_maps_a_slot, args=(pool.name, key(6), child))
+    proc.start()
+    before, after = parent.recv()
+    proc.join(30)
+    assert after - before >= SLOT // 1024, (before, after)  # kB: every page of the slot, none of it read
+
+
+def _pool_rss_kb(name: str) -> int:
+    """This process's resident kB in mappings of the pool's file (from /proc/self/smaps)."""
+    rss, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split(maxsplit=1)[0]
+        if "-" in first and not first.endswith(":"):  # a mapping's header line
+            inside = name in line
+        elif inside and first == "Rss:":
+            rss += int(line.split()[1])
+    return rss
+
+
+def _child_maps_a_slot(name, k, conn):
+    with SharedChunkPool.attach(name) as p:
+        slot = p.acquire(k)
+        before = _pool_rss_kb(name)
+        p.image(slot)  # taken, not read
+        conn.send((before, _pool_rss_kb(name)))
+        p.release(slot)

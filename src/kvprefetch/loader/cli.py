@@ -27,7 +27,8 @@ def loadbench(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the rows as JSON here.")] = None,
 ) -> None:
     """Load one checkpoint with vLLM's default loader, runai_streamer, fastsafetensors and kvprefetch (cold
-    local, cold from throttled 'network' storage, warm from its cache), next to fio's ceiling."""
+    local, cold from throttled 'network' storage, warm from the node's DRAM pool and from the disk cache), next
+    to fio's ceiling."""
     from kvprefetch.config import default_cache_dir
     from kvprefetch.loader.loadbench import LoadBench, goals, make_checkpoint, plot, timestamp
     from kvprefetch.loader.settings import LoaderSettings

@@ -10,7 +10,10 @@ shared VM drifts, and interleaving spreads the drift over all modes), and each m
     kvprefetch       ours, cold from the local disk (no cache)
     * network        default and ours reading a source throttled to `--network-gbps` by the cgroup read throttle
                      the KV bench uses (`bench.regime`), ours with the weight cache on: the cold load fills it
-    kvprefetch warm  ours again, from the weight cache the network pass filled (cache on the local disk)
+    kvprefetch warm-dram   ours again, from the node's DRAM pool the network pass filled (a pool sized to the
+                     checkpoint, kept between processes: `dram.keep_idle_s`), as the next engine on the node finds it
+    kvprefetch warm-cache  ours again, from the weight cache on the local disk (the DRAM pool removed first), as
+                     a restart finds it once the pool is gone
     fio              fio's sequential O_DIRECT read of the same files (best queue depth and buffer memory, huge
                      pages included when reserved): the device's ceiling
 """
@@ -41,9 +44,14 @@ DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 @dataclass(frozen=True)
 class Mode:
     loader: str  # the row's loader name
-    regime: str  # local | network | warm-cache | device
+    regime: str  # local | network | warm-dram | warm-cache | device
     load_format: str | None  # None: fio
     cache: bool = False
+
+    @property
+    def keeps_pool(self) -> bool:
+        """Whether the pass reads the DRAM pool the pass before it filled (every other pass starts without one)."""
+        return self.regime == "warm-dram"
 
 
 MODES = [
@@ -54,6 +62,7 @@ MODES = [
     Mode("kvprefetch", "local", "kvprefetch"),
     Mode("default", "network", "safetensors"),
     Mode("kvprefetch", "network", "kvprefetch", cache=True),
+    Mode("kvprefetch", "warm-dram", "kvprefetch", cache=True),  # right after the network pass: its pool
     Mode("kvprefetch", "warm-cache", "kvprefetch", cache=True),
 ]
 
@@ -172,9 +181,9 @@ class LoadBench:
         total = ckpt.total_bytes
         cache_dir = self.work / "weight-cache"
         pool = f"kvp-loadbench-{os.getpid()}"
-        cached = self.extra | {
-            "cache": {"disk": {"path": str(cache_dir), "capacity_bytes": 4 * total}, "dram": {"pool_name": pool}}
-        }
+        # the pool holds the whole checkpoint (blocks plus their headers and some slack) and outlives each pass
+        dram = {"pool_name": pool, "capacity_bytes": int(total * 1.05) + (64 << 20), "keep_idle_s": 600}
+        cached = self.extra | {"cache": {"disk": {"path": str(cache_dir), "capacity_bytes": 4 * total}, "dram": dram}}
         throttle, why = make_throttle(self.model, f"kvp-loadbench-{os.getpid()}")
         if throttle is None:
             self.notes.append(f"network regime unavailable: {why}")
@@ -198,7 +207,8 @@ class LoadBench:
                     self.progress(f"round {r + 1}/{self.repeats}: {m.loader} {m.regime}")
                     if m.regime == "network" and m.cache:
                         shutil.rmtree(cache_dir, ignore_errors=True)  # the network pass is cold: it fills the cache
-                    _remove_pool(pool)  # warm-cache reads the local disk cache, not a DRAM pool left over
+                    if not m.keeps_pool:
+                        _remove_pool(pool)  # warm-cache reads the local disk cache, not a DRAM pool left over
                     drop_page_cache()
                     if m.load_format is None:
                         samples[m].append(total / 1e9 / fio_read_gbps(files, self.block_bytes, *fio_best))
@@ -208,9 +218,10 @@ class LoadBench:
                         continue
                     cgroup = str(throttle.path) if m.regime == "network" and throttle is not None else None
                     extra = (cached if m.cache else self.extra) if m.load_format == "kvprefetch" else {}
-                    if m.regime == "warm-cache" and not chunk_files(cache_dir):
+                    if m.regime.startswith("warm") and not _filled(m, cache_dir, pool):
                         run_pass(self.model, m.load_format, extra, None, log)  # no network pass filled it: fill now
-                        _remove_pool(pool)
+                        if not m.keeps_pool:
+                            _remove_pool(pool)
                         drop_page_cache()
                     res = run_pass(self.model, m.load_format, extra, cgroup, log)
                     if "error" in res:
@@ -280,8 +291,17 @@ class LoadBench:
         return rows
 
 
+def _pool_files(name: str) -> list[Path]:
+    return list(Path("/dev/shm").glob(f"*{name}*"))
+
+
+def _filled(m: Mode, cache_dir: Path, pool: str) -> bool:
+    """Whether what a warm pass reads is there: the DRAM pool (warm-dram) or the disk cache (warm-cache)."""
+    return bool(_pool_files(pool)) if m.keeps_pool else bool(chunk_files(cache_dir))
+
+
 def _remove_pool(name: str) -> None:
-    for f in Path("/dev/shm").glob(f"*{name}*"):
+    for f in _pool_files(name):
         with contextlib.suppress(OSError):
             f.unlink()
 
@@ -297,6 +317,7 @@ def goals(rows: list[Row]) -> list[tuple[str, float | None, float, bool | None]]
         ("kvprefetch cold local vs fio (speed ratio)", ratio(("kvprefetch", "local"), ("fio", "device")), 0.85),
         ("kvprefetch cold local vs vLLM default", ratio(("kvprefetch", "local"), ("default", "local")), 1.5),
         ("kvprefetch cold local vs runai_streamer", ratio(("kvprefetch", "local"), ("runai_streamer", "local")), 1.0),
+        ("warm DRAM pool vs cold network", ratio(("kvprefetch", "warm-dram"), ("kvprefetch", "network")), 5.0),
         ("warm cache vs cold network", ratio(("kvprefetch", "warm-cache"), ("kvprefetch", "network")), 5.0),
     ]
     return [(name, v, target, None if v is None else v >= target) for name, v, target in checks]

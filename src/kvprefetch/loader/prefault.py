@@ -11,15 +11,11 @@ roughly checkpoint order, so the pages the next copies need are faulted first.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import logging
 import threading
 from collections.abc import Iterable, Iterator
 
-log = logging.getLogger(__name__)
+from kvprefetch.tiers.memory import PAGE, populate
 
-MADV_POPULATE_WRITE = 23  # Linux 5.14
-PAGE = 4096
 STEP = 4 << 20
 """Bytes per madvise call. Small because the call holds the process's mmap lock: every mmap and thread start of
 the load (the reader's I/O threads, its shard buffers) waits for the call in progress, and the page faults behind
@@ -45,29 +41,12 @@ def host_ranges(tensors: Iterable) -> list[tuple[int, int]]:
     return out
 
 
-def _madvise():
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
 def _populate(ranges: list[tuple[int, int]], stop: threading.Event) -> None:
-    madvise = _madvise()  # ctypes releases the GIL for the call: the loading thread runs meanwhile
-    if madvise is None:
-        return
-    for start, length in ranges:
+    for start, length in ranges:  # (populate releases the GIL for the call: the loading thread runs meanwhile)
         for off in range(0, length, STEP):
             if stop.is_set():
                 return
-            if madvise(start + off, min(STEP, length - off), MADV_POPULATE_WRITE) != 0:
-                log.debug(
-                    "kvprefetch loader: MADV_POPULATE_WRITE failed (errno %d); not prefaulting", ctypes.get_errno()
-                )
+            if not populate(start + off, min(STEP, length - off)):
                 return  # an old kernel (EINVAL) or memory it will not populate: the copies fault as before
 
 

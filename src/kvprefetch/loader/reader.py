@@ -33,6 +33,7 @@ from kvprefetch.loader.settings import LoaderSettings
 from kvprefetch.loader.shards import Checkpoint, CheckpointError, Shard, TensorEntry
 from kvprefetch.tiers.chunk_format import ALIGN, align_up
 from kvprefetch.tiers.inflight import InflightBytes
+from kvprefetch.tiers.memory import address_of
 from kvprefetch.tiers.staging import HUGE_PAGE, StagingBuffers, staged_read
 
 log = logging.getLogger(__name__)
@@ -313,13 +314,6 @@ class ShardReader:
         self._shards.clear()  # the buffers of shards an error left unfinished
         if self.staging is not None:
             self.staging.close()
-
-
-def address_of(buffer) -> int:
-    """The address of a writable buffer's first byte (the export is released before returning)."""
-    import numpy as np
-
-    return int(np.frombuffer(buffer, np.uint8, count=1).ctypes.data)
 
 
 def as_tensor(buffer: memoryview, t: TensorEntry):

@@ -25,9 +25,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from kvprefetch.loader.reader import Plan, address_of, as_tensor
+from kvprefetch.loader.reader import Plan, as_tensor
 from kvprefetch.loader.shards import open_checkpoint
 from kvprefetch.tiers.chunk_format import ALIGN
+from kvprefetch.tiers.memory import address_of
 
 # Ops that read no element of their inputs: views (the ops on the view read, and are recorded) and metadata.
 NO_READ = frozenset({

@@ -49,6 +49,7 @@ import numpy as np
 from kvprefetch.crashpoints import crash_point
 from kvprefetch.tiers.access import PRIVATE, FileAccess, PoolAccessError
 from kvprefetch.tiers.chunk_format import ALIGN, HEADER_BYTES, CorruptChunk, align_up, verify_image
+from kvprefetch.tiers.memory import populate
 
 log = logging.getLogger(__name__)
 
@@ -433,6 +434,8 @@ class SharedChunkPool:
         self._data = np.ndarray((total - data,), np.uint8, buffer=self._mm, offset=data)
         if prefault:  # fault every page in once, so the hot path never takes a page fault
             self._data[::4096] = 0
+        # Slots whose pages this process has mapped (`image`): process-local, like the mapping itself.
+        self._mapped = np.full(g.n_slots, prefault)
 
     def _claim_row(self) -> int:
         self.reaped_at_attach = self._reap_dead_locked()  # an observer reaps in reap_dead()
@@ -613,9 +616,17 @@ class SharedChunkPool:
             return True
 
     def image(self, slot: int) -> memoryview:
-        """The slot's chunk image (zero-copy view into shared memory)."""
+        """The slot's chunk image (zero-copy view into shared memory).
+
+        The first time this process touches a slot, its pages are mapped in one call (`populate`) instead of
+        one fault per page: the I/O threads copy into and out of slots at once, and their concurrent page
+        faults on this one mapping contend in the kernel (kvprefetch.tiers.memory)."""
         start = slot * self.geometry.slot_bytes
-        return memoryview(self._data[start : start + self.geometry.slot_bytes])
+        image = self._data[start : start + self.geometry.slot_bytes]
+        if not self._mapped[slot]:
+            self._mapped[slot] = True  # (two threads may both populate it: harmless)
+            populate(image.ctypes.data, len(image))
+        return memoryview(image)
 
     def data_view(self) -> memoryview:
         """All slot images as one region (for backends that register memory for zero-copy transfers)."""

@@ -17,10 +17,9 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-import numpy as np
-
 from kvprefetch.tiers.chunk_format import align_up
 from kvprefetch.tiers.inflight import InflightBytes
+from kvprefetch.tiers.memory import copy_bytes
 
 log = logging.getLogger(__name__)
 
@@ -127,5 +126,5 @@ def staged_read(
         admitted.close()
         result = inspect(buf, got)
         if staged is not None:
-            np.copyto(np.frombuffer(dst, np.uint8)[:got], np.frombuffer(staged, np.uint8)[:got])
+            copy_bytes(dst[:got], staged[:got])
         return result
