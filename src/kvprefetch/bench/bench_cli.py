@@ -103,7 +103,9 @@ def register(app: typer.Typer) -> None:
         quick: Annotated[
             bool,
             typer.Option(
-                "--quick", help="Two concurrency levels, fewer sessions, one engine calibrated (~5 min here)."
+                "--quick",
+                help="Two concurrency levels, fewer sessions, one round, one engine calibrated, and without the "
+                "other projects' connectors unless -m names them (~5 min here).",
             ),
         ] = False,
         trace: Annotated[
@@ -183,7 +185,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """The main benchmark: TTFT and throughput of tiered prefetch vs recompute, on-demand loads, all-in-DRAM and
         vLLM's own connector, on real vLLM engines, over a concurrency sweep, in a declared storage regime."""
-        from kvprefetch.bench.modes import MODES, TWO_INSTANCE_MODES
+        from kvprefetch.bench.modes import MODES, PEER_MODES, TWO_INSTANCE_MODES
         from kvprefetch.bench.regime import parse_regime
         from kvprefetch.bench.runner import QUICK_CONCURRENCY, BenchOptions
         from kvprefetch.bench.topology import TOPOLOGIES
@@ -219,6 +221,8 @@ def register(app: typer.Typer) -> None:
         if modes:
             opts.modes = modes
         if quick:
+            if not modes:  # an engine start and two cells each: the full run compares with them
+                opts.modes = [m for m in opts.modes if m not in PEER_MODES]
             opts.concurrency = list(QUICK_CONCURRENCY)
             opts.calibrate_modes = False
             opts.chat = replace(opts.chat, min_sessions=2, sessions_per_concurrency=1.0)
