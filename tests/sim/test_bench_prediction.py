@@ -274,6 +274,17 @@ def test_sim_cli_bench_scenario_without_results_is_a_clear_error(tmp_path):
     bad.write_text("{not json")
     res = CliRunner().invoke(app, ["sim", "--scenario", "bench", "--bench-results", str(bad)])
     assert res.exit_code != 0 and "not a usable" in flat(res.output)
+    res = CliRunner().invoke(app, ["sim", "--scenario", "bench", "--bench-results", str(tmp_path)])  # no results.json
+    assert res.exit_code != 0 and "results.json" in flat(res.output) and "Traceback" not in res.output
+
+
+def test_sim_cli_bench_scenario_takes_a_runs_directory_for_its_results_json(tmp_path):
+    run = tmp_path / "20261203-105106"  # what `kvprefetch bench` writes: bench-results/<timestamp>/results.json
+    run.mkdir()
+    (run / "results.json").write_text(json.dumps(_results()))
+    res = CliRunner().invoke(app, ["sim", "--scenario", "bench", "--bench-results", str(run)])
+    assert res.exit_code == 0, res.output
+    assert "cells within 20%" in flat(res.output)
 
 
 def test_the_prelude_prices_the_connectors_cpu_per_byte_and_cache_modes_pay_it():

@@ -51,7 +51,9 @@ def _run_bench_scenario(results_paths: list[Path] | None, json_path: Path | None
     from kvprefetch.sim.calibration import predict_bench
     from kvprefetch.sim.report import bench_cells, bench_rows, print_rows, write_json
 
-    missing = [p for p in results_paths or [] if not p.exists()]
+    # a run's output directory stands for its results.json (what `kvprefetch bench` prints it wrote)
+    results_paths = [p / "results.json" if p.is_dir() else p for p in results_paths or []]
+    missing = [p for p in results_paths if not p.exists()]
     if not results_paths or missing:
         raise typer.BadParameter(
             f"--scenario bench needs --bench-results PATH (repeatable), the results.json of a `kvprefetch bench`"
@@ -61,7 +63,7 @@ def _run_bench_scenario(results_paths: list[Path] | None, json_path: Path | None
     for path in results_paths:
         try:
             runs.append(BenchResults.from_json(jsonlib.loads(path.read_text())))
-        except ValueError as err:
+        except (ValueError, OSError) as err:
             raise typer.BadParameter(f"{path} is not a usable kvprefetch bench results.json: {err!r}") from None
     try:
         predictions = [predict_bench(results) for results in runs]
@@ -197,7 +199,10 @@ def register(app: typer.Typer) -> None:
         ] = None,
         bench_results: Annotated[
             list[Path] | None,
-            typer.Option(help="results.json of a `kvprefetch bench` run, for --scenario bench (repeat for medians)"),
+            typer.Option(
+                help="results.json of a `kvprefetch bench` run, or its directory, for --scenario bench (repeat for "
+                "medians)"
+            ),
         ] = None,
         model: Annotated[
             str | None,
