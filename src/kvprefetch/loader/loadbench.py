@@ -219,6 +219,8 @@ class LoadBench:
                     cgroup = str(throttle.path) if m.regime == "network" and throttle is not None else None
                     extra = (cached if m.cache else self.extra) if m.load_format == "kvprefetch" else {}
                     if m.regime.startswith("warm") and not _filled(m, cache_dir, pool):
+                        if m.keeps_pool:  # a fill that found the disk cache would put nothing into the pool
+                            shutil.rmtree(cache_dir, ignore_errors=True)
                         run_pass(self.model, m.load_format, extra, None, log)  # no network pass filled it: fill now
                         if not m.keeps_pool:
                             _remove_pool(pool)
