@@ -5,6 +5,7 @@ from __future__ import annotations
 import redis
 import redis.cluster
 
+from kvprefetch.tiers.memory import copy_bytes
 from kvprefetch.tiers.remote.base import RemoteBackend, RemoteRejected, RemoteUnavailable
 
 _DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError)
@@ -50,7 +51,7 @@ class RedisBackend(RemoteBackend):
                 sizes.append(-1)
                 continue
             n = min(len(value), len(view))
-            view[:n] = memoryview(value)[:n]
+            copy_bytes(view[:n], memoryview(value)[:n])  # without the GIL, as the store's copies
             sizes.append(len(value))
         return sizes
 
