@@ -7,7 +7,10 @@ Three ways, each round in turn on a fresh pool of the same size (interleaved, so
 
 * ``touch``: fault every page in at creation (what kvprefetch did before issue 28);
 * ``fallocate``: posix_fallocate the file at creation (the pages exist, not yet mapped; ENOSPC is a clean error);
-* ``lazy``: nothing (pages appear as slots are first written; a full /dev/shm then means SIGBUS mid-write).
+* ``first_write``: posix_fallocate at the first slot handed out (the weight loader's default: a load served by
+  the disk cache never pays for a pool it writes nothing into). Nothing at all (pages appearing as slots are
+  first written) was measured here before issue 28 too; it is not offered: a full /dev/shm then means SIGBUS
+  mid-write.
 
 Per way: the pool's creation time (what an engine's start-up pays once), the first request's load (``--chunks``
 chunks read from a disk tier whose files are in the page cache into DRAM slots and copied out, as the store
@@ -35,7 +38,7 @@ from kvprefetch.tiers.chunk_format import image_bytes
 from kvprefetch.tiers.disk import DiskTier
 from kvprefetch.tiers.dram import SHM_DIR, SharedChunkPool
 
-WAYS = ("touch", "fallocate", "lazy")
+WAYS = ("touch", "fallocate", "first_write")
 
 
 def size(text: str) -> int:
@@ -99,11 +102,11 @@ def main() -> None:
         for r in range(a.repeats):
             for way in WAYS:
                 runs[way].append(one_round(way, pool_bytes, chunk_bytes, tier, keys))
-                print(f"round {r + 1} {way:<9} " + " ".join(f"{k}={v:.3f}" for k, v in runs[way][-1].items()
+                print(f"round {r + 1} {way:<11} " + " ".join(f"{k}={v:.3f}" for k, v in runs[way][-1].items()
                                                            if k.endswith("_s")), flush=True)  # fmt: skip
     print(f"\n{a.pool} pool in {SHM_DIR}, first request loads {a.chunks} x {a.chunk}; medians of {a.repeats} "
           f"(min-max)")  # fmt: skip
-    print(f"{'way':<10} {'create s':>20} {'first load s':>20} {'touched load s':>20} {'RAM held GiB':>13}")
+    print(f"{'way':<12} {'create s':>20} {'first load s':>20} {'touched load s':>20} {'RAM held GiB':>13}")
     summary = {}
     for way, rs in runs.items():
         cols = {}
@@ -113,7 +116,7 @@ def main() -> None:
         cols["held_gib"] = statistics.median(x["held_bytes"] for x in rs) / 2**30
         summary[way] = cols
         cell = [f"{c['median']:.3f} ({c['min']:.2f}-{c['max']:.2f})" for c in list(cols.values())[:3]]
-        print(f"{way:<10} {cell[0]:>20} {cell[1]:>20} {cell[2]:>20} {cols['held_gib']:>13.2f}")
+        print(f"{way:<12} {cell[0]:>20} {cell[1]:>20} {cell[2]:>20} {cols['held_gib']:>13.2f}")
     if a.json:
         a.json.write_text(json.dumps({"args": vars(a) | {"json": str(a.json)}, "runs": runs, "summary": summary}))
 

@@ -608,6 +608,7 @@ def open_pool(config: StoreConfig, slot_bytes: int, access: FileAccess) -> Share
         hugepages=d.hugepages,
         access=access,
         keep_idle_s=d.keep_idle_s,
+        reserve="fallocate" if d.reserve == "at_open" else "first_write",
     )
     try:
         return SharedChunkPool(d.pool_name, directory=directory, **kwargs)

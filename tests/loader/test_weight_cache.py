@@ -59,6 +59,29 @@ def test_second_load_reads_only_the_cache(ckpt, cache_settings):
         assert_same(got, want)
 
 
+def test_a_load_served_by_the_disk_cache_does_not_allocate_the_nodes_pool(ckpt, tmp_path):
+    """The pool (dram.reserve defaults to first_write for weights) takes its RAM only when a block is put into it."""
+    from kvprefetch.tiers.dram import SHM_DIR
+
+    from .conftest import drop_pools
+
+    name = f"kvpl-{os.getpid()}-reserve"
+    cache = {"disk": {"path": str(tmp_path / "wcache")}, "dram": {"pool_name": name, "capacity_bytes": "32MiB",
+                                                                  "keep_idle_s": 600}}  # fmt: skip
+    settings = LoaderSettings.from_extra_config({"block_bytes": "256KiB", "cache": cache})
+    pool = SHM_DIR / f"kvprefetch-{name}.pool"
+    try:
+        _, filled = load(ckpt, settings)
+        assert filled["cache_put_bytes"] > 0 and pool.stat().st_blocks * 512 >= 32 << 20, "a fill reserves it whole"
+        drop_pools(name)  # a reboot: only the disk cache is left
+        got, warm = load(ckpt, settings)
+        assert warm["cache_bytes"] == filled["cache_put_bytes"] and warm["source_bytes"] == 0
+        assert_same(got, expected(ckpt))
+        assert pool.exists() and pool.stat().st_blocks * 512 <= 4 << 20, "only its bookkeeping pages are allocated"
+    finally:
+        drop_pools(name)
+
+
 def rewrite_shard(path, tensors: dict[str, np.ndarray]) -> None:
     """Rewrite a shard in place with other values, same names and shapes (so the same header bytes)."""
     save_file(tensors, str(path), metadata={"format": "pt"})

@@ -143,3 +143,44 @@ def test_a_pool_larger_than_the_memory_left_is_a_clear_error_at_creation(private
     with pytest.raises(PoolNoSpace, match=r"needs 0\.1\d GiB but .* has 0\.0\d GiB free: lower dram\.capacity_bytes"):
         SharedChunkPool("big", 1 << 20, 128 << 20, directory=private_shm)
     assert not list(private_shm.iterdir()), "nothing left behind"
+
+
+def _held(pool: SharedChunkPool) -> int:
+    return os.stat(pool.path).st_blocks * 512
+
+
+def test_a_first_write_pool_takes_its_ram_when_its_first_slot_is_handed_out(private_shm):
+    pool = SharedChunkPool("fw", 1 << 20, 32 << 20, directory=private_shm, reserve="first_write")
+    try:
+        assert _held(pool) <= 2 << 20, "created: only its bookkeeping pages are allocated"
+        reader = SharedChunkPool("fw", 1 << 20, 32 << 20, directory=private_shm)
+        assert not reader.created and _held(pool) <= 2 << 20, "attaching reserves nothing"
+        assert not reader.contains(KEY)
+        slot = pool.allocate(KEY, 4096)
+        assert slot is not None and _held(pool) >= 32 << 20, "the first slot handed out reserves the whole pool"
+        pool.abort(slot)
+        reader.close()
+    finally:
+        pool.close()
+    again = SharedChunkPool("fw", 1 << 20, 32 << 20, directory=private_shm, keep_idle_s=None)
+    assert again.created, "keep_idle_s=0: the last process removed it"
+    again.allocate(KEY, 4096)
+    again.close()
+    kept = SharedChunkPool("fw", 1 << 20, 32 << 20, directory=private_shm, reserve="first_write")
+    assert not kept.created and _held(kept) >= 32 << 20, "reserved at its creation (the default): kept so"
+    kept.destroy()
+
+
+def test_a_first_write_pool_the_node_cannot_hold_reads_as_full_and_frees_what_it_tried(private_shm, caplog):
+    pool = SharedChunkPool("big", 1 << 20, 128 << 20, directory=private_shm, reserve="first_write")
+    try:
+        with caplog.at_level("WARNING"):
+            assert pool.allocate(KEY, 4096) is None, "no slot from a pool that could not be reserved: no SIGBUS later"
+            assert pool.allocate(bytes(32), 4096) is None
+        warned = [r.getMessage() for r in caplog.records if "cannot be reserved" in r.getMessage()]
+        assert len(warned) == 1 and "needs 0.1" in warned[0] and "lower dram.capacity_bytes" in warned[0]
+        assert _held(pool) <= 2 << 20, "the failed reservation gave back what it had allocated"
+        assert pool.stats()["processes"] == 1 and not pool.contains(KEY)
+    finally:
+        pool.close()
+    assert not list(private_shm.iterdir()), "nothing left behind"

@@ -56,7 +56,9 @@ class LoaderSettings(BaseModel):
         default=None,
         description="A kvprefetch store configuration (dram, disk, io) for the weight cache; none: no cache. "
         f"dram.pool_name defaults to {WEIGHTS_POOL!r} and dram.capacity_bytes to 256MiB (a hub for disk-only "
-        "caching); give it the model's size to keep the weights in the node's DRAM pool too.",
+        "caching); give it the model's size to keep the weights in the node's DRAM pool too. dram.reserve defaults "
+        "to first_write: a load served by the disk cache puts nothing into the pool, so it does not allocate it "
+        "(0.45 s of a 2.6 s warm load on our VM).",
     )
 
     def store_config(self) -> StoreConfig | None:
@@ -64,7 +66,8 @@ class LoaderSettings(BaseModel):
         if self.cache is None:
             return None
         data = dict(self.cache)
-        dram = {"pool_name": WEIGHTS_POOL, "capacity_bytes": "256MiB"} | dict(data.pop("dram", None) or {})
+        defaults = {"pool_name": WEIGHTS_POOL, "capacity_bytes": "256MiB", "reserve": "first_write"}
+        dram = defaults | dict(data.pop("dram", None) or {})
         return StoreConfig.from_dict({"tiers": ["dram", "disk"], **data, "dram": dram})
 
     @classmethod

@@ -24,8 +24,13 @@ See kvprefetch.crashpoints and tests/store/test_crash_points.py, which kill a pr
 
 The pool outlives its processes only as its declared `keep_idle_s` says (0: the last process to detach removes
 it); a pool idle past that (processes that died count as gone) is removed by the next process that opens the
-name or looks at it (`kvprefetch status`). A new pool is allocated whole at creation (posix_fallocate), so a node
-without the memory fails then, never with SIGBUS mid-write.
+name or looks at it (`kvprefetch status`).
+
+Reservation invariant: a slot is handed out (`allocate`) only from a *reserved* pool, one whose whole file is
+allocated in RAM (posix_fallocate) and marked so in its first page; so a node without the memory fails with a
+clear error, never with SIGBUS in the middle of a write into a slot. A pool is reserved when it is created (the
+default), or, with reserve="first_write", by the first process that asks it for a slot: a process that only reads
+the pool (a weight load whose blocks all come from the disk cache) never pays for memory it does not use.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Literal
 
@@ -59,7 +65,7 @@ SHM_DIR = Path(os.environ.get("KVPREFETCH_SHM_DIR", "/dev/shm"))
 DATA_ALIGN = 2 << 20  # so slot images can sit on huge pages
 HUGE_PAGE = 2 << 20
 
-Reserve = Literal["fallocate", "touch", "lazy"]  # how a new pool gets its memory: see SharedChunkPool._reserve
+Reserve = Literal["fallocate", "first_write", "touch"]  # how a new pool gets its memory: see SharedChunkPool._reserve
 FREE, WRITING, READY = 0, 1, 2
 _SUPER = struct.Struct("<8sIIQQQQ")  # magic, version, max_procs, slot_bytes, n_slots, data_offset, tick
 _TICK_OFFSET = 8 + 4 + 4 + 8 + 8 + 8
@@ -160,6 +166,26 @@ def _open_pool_file(path: Path, access: FileAccess, create: bool = True) -> int:
 _LIFE = struct.Struct("<8sdd")
 _LIFE_OFFSET = 1024
 _LIFE_MAGIC = b"KVPFLIFE"
+# The reservation mark (see the module's invariant), in the same page: magic, when the pool was reserved (epoch s).
+_RESERVED = struct.Struct("<8sd")
+_RESERVED_OFFSET = 1024 + 64
+_RESERVED_MAGIC = b"KVPFRSVD"
+
+
+class Reservation(Enum):
+    """Whether this process may hand out slots (see the module's reservation invariant)."""
+
+    RESERVED = "reserved"  # the whole file is allocated: slots may be written
+    DEFERRED = "deferred"  # not yet (reserve="first_write", or a pool laid out before the mark existed)
+    FAILED = "failed"  # reserving it failed in this process: it hands out no slot (the tier reads as full)
+
+
+def _reserved(mm: mmap.mmap) -> bool:
+    return _RESERVED.unpack_from(mm, _RESERVED_OFFSET)[0] == _RESERVED_MAGIC
+
+
+def _mark_reserved(mm: mmap.mmap) -> None:
+    _RESERVED.pack_into(mm, _RESERVED_OFFSET, _RESERVED_MAGIC, time.time())
 
 
 class PoolExpired(FileNotFoundError):
@@ -368,8 +394,8 @@ class SharedChunkPool:
                 raise PoolGeometryError(f"{self.path} is empty: being laid out, or its creator died doing so")
             size = align_up(want.offsets()[-1], DATA_ALIGN)  # hugetlbfs wants whole huge pages
             os.ftruncate(self._fd, size)
-            if reserve == "fallocate":
-                self._reserve(size)
+            # the bookkeeping pages are written now, so they are reserved now whatever `reserve` says
+            self._reserve(size if reserve == "fallocate" else want.offsets()[3])
         try:
             self._mm = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
@@ -383,11 +409,14 @@ class SharedChunkPool:
         else:
             self.geometry = self._check_geometry(want)
         self._layout(hugepages, prefault=created and reserve == "touch")
+        if created and reserve != "first_write":
+            _mark_reserved(self._mm)
+        self._reservation = Reservation.RESERVED if _reserved(self._mm) else Reservation.DEFERRED
         return created
 
     def _reserve(self, size: int) -> None:
-        """Allocate the whole pool in RAM now (posix_fallocate), so a node short of memory fails here, with a
-        clear error, and never later with SIGBUS in the middle of a write into a slot.
+        """Allocate the pool's first `size` bytes in RAM now (posix_fallocate), so a node short of memory fails
+        here, with a clear error, and never later with SIGBUS in the middle of a write into a slot.
 
         Faulting every page in by touching it (as before) reserves as well, but on our VM a 2 GiB pool took 1.9 s
         so (3.7 s under load, up to 30 s on a freshly booted VM) against 0.55 s with fallocate, and the first
@@ -531,6 +560,8 @@ class SharedChunkPool:
         with self._locked():
             if self._find(key) is not None or self._find(key, WRITING) is not None:
                 return None
+            if not self._reserved_locked():
+                return None
             slot = self._free_or_victim()
             if slot is None and self._reap_dead_locked():
                 slot = self._free_or_victim()
@@ -548,6 +579,26 @@ class SharedChunkPool:
             entry["key0"] = int.from_bytes(key[:8], "little")
             crash_point("dram.allocate.key_published")
             return slot
+
+    def _reserved_locked(self) -> bool:
+        """Whether this process may hand out slots; reserves a deferred pool first (the reservation invariant).
+
+        Another process may have reserved it since this one attached (its mark says so); else this process
+        reserves it now, under the pool's lock, once. A pool that cannot be reserved (the node has not the
+        memory) is logged once and hands out no slot from this process: the tier reads as full, never as an error.
+        """
+        if self._reservation is Reservation.DEFERRED:
+            if not _reserved(self._mm):
+                try:
+                    self._reserve(len(self._mm))
+                except OSError as err:
+                    self._reservation = Reservation.FAILED
+                    why = "this process keeps no chunk in it"
+                    log.warning("DRAM pool %s cannot be reserved (%s): %s", self.path, err, why)
+                    return False
+                _mark_reserved(self._mm)
+            self._reservation = Reservation.RESERVED
+        return self._reservation is Reservation.RESERVED
 
     def _free_or_victim(self) -> int | None:
         states = self.slots["state"]
