@@ -355,6 +355,52 @@ def test_scheduler_recomputes_when_the_disk_is_slow():
     assert side.counters.snapshot()["recomputed_slower_chunks"] == 2
 
 
+def test_a_rule_that_recomputes_because_the_disk_looked_slow_measures_it_again_and_loads_once_it_is_fast():
+    """Recomputing reads nothing: without a probe, a slow moment (here the prior) would never be corrected."""
+    from kvprefetch.keys import ChunkKeyer, KVNamespace
+    from kvprefetch.vllm.scheduler import SchedulerSide
+
+    now = [0.0]
+    ns = KVNamespace(model="m", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32")
+    keyer, store = ChunkKeyer(ns, 256), FakeStore()
+
+    def side_with(interval):
+        settings = parse_extra_config({"prefetch": False, "disk_bps_prior": 1000.0, "prefill_tps_prior": 25600.0,
+                                       "disk_probe_interval_s": interval})  # fmt: skip
+        return SchedulerSide(settings, keyer, store, block_size=128, blocks_per_chunk=2, chunk_bytes=1000,
+                             counters=ConnectorCounters("scheduler"), get_block_ids=lambda rid: [],
+                             clock=lambda: now[0])  # fmt: skip
+
+    side = side_with(2.0)
+    toks = list(range(1100))
+    keys = keyer.keys(toks)
+    store.tiers.update({k: "disk" for k in keys[:3]})
+    r = req(toks)
+    side.on_new_request(r)
+    assert side.get_num_new_matched_tokens(r, 0) == (0, False), "1 kB/s (the prior): 1 s a chunk, 10 ms to compute"
+    assert len(store.handles) == 1 and store.handles[0].reads == keys[:3], "read in the background, to measure"
+    assert side.counters.snapshot()["disk_probe_chunks"] == 3
+    r2 = req(toks)
+    side.on_new_request(r2)
+    assert side.get_num_new_matched_tokens(r2, 0) == (0, False) and len(store.handles) == 1, "one probe at a time"
+    now[0] += 0.003  # the probe's three reads land in 3 ms: 1 MB/s
+    for _ in range(3):
+        side.disk_meter.completed(True, 1000)
+    r3 = req(toks)
+    side.on_new_request(r3)
+    assert side.get_num_new_matched_tokens(r3, 0) == (768, True), "the disk is fast now: load"
+    now[0] += 10.0  # slow again, freshly measured: the next probe waits for the estimate to age
+    for _ in range(10):
+        side.cost.observe_disk(1000, 1.0)
+    r4 = req(toks)
+    side.on_new_request(r4)
+    assert side.get_num_new_matched_tokens(r4, 0) == (0, False) and len(store.handles) == 1, "a fresh estimate"
+    never = side_with(0.0)
+    r5 = req(toks)
+    never.on_new_request(r5)
+    assert never.get_num_new_matched_tokens(r5, 0) == (0, False) and len(store.handles) == 1, "0: never probes"
+
+
 def test_scheduler_sync_load_from_dram_skips_engine_prefix_and_keeps_one_token():
     side, store, keyer, _ = make_scheduler(prefetch=False)
     toks = list(range(1024))  # exactly four chunks: the last can't be a hit (a token must be computed)

@@ -11,7 +11,10 @@ Measured, not configured. Three rates feed exponential moving averages:
 
 Until a rate has been measured its prior is used (``disk_bps_prior``/``prefill_tps_prior``; with no prefill
 prior, loads pay until the first forward has been timed: a fresh engine has nothing measured yet, and a load
-from DRAM is far faster than any prefill).
+from DRAM is far faster than any prefill). A rule that recomputes because the disk looks slow reads nothing, so
+nothing would ever correct that estimate once the disk is fast again: the scheduler then reads a few of the
+chunks it recomputes in the background, at most every ``disk_probe_interval_s``, to measure the disk again
+(`Scheduler._probe_disk`).
 
 Per request the plan (which leading chunks to load, which to recompute) is `kvprefetch.loadplan.plan` on these
 rates: the rule the simulator applies too. An asynchronous load (a prefix reaching below DRAM, ``load_mode:
@@ -112,6 +115,7 @@ class CostModel:
         copy_bps: float = 4e9,
         prefill_tps: float | None = None,
         margin: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.chunk_bytes = chunk_bytes
         self.chunk_tokens = chunk_tokens
@@ -120,6 +124,8 @@ class CostModel:
         self.prefill_tps = Ema(prefill_tps)
         self.step_s = Ema(None)  # duration of an engine step that computes something
         self.margin = margin  # load only if load_time * margin <= recompute_time
+        self.clock = clock
+        self.disk_measured_at: float | None = None  # when the disk rate was last sampled (None: only the prior)
         self._lock = threading.Lock()
 
     # ---- measurements ---------------------------------------------------------------------------------------
@@ -127,6 +133,12 @@ class CostModel:
         if nbytes > 0 and seconds > 1e-6:
             with self._lock:
                 self.disk_bps.observe(nbytes / seconds)
+                self.disk_measured_at = self.clock()
+
+    def disk_rate_older_than(self, seconds: float) -> bool:
+        """Whether the disk rate rests on no sample newer than `seconds` (or on the prior alone)."""
+        at = self.disk_measured_at
+        return at is None or self.clock() - at > seconds
 
     def observe_copy(self, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 1e-6:

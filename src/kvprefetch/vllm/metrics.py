@@ -38,6 +38,7 @@ COUNTERS: dict[str, str] = {
     "load_error_chunks": "Chunks that failed to load (reported to vLLM, recomputed).",
     "load_error_blocks": "KV blocks reported to vLLM as failed loads.",
     "recomputed_slower_chunks": "Hit chunks recomputed because loading them was estimated slower.",
+    "disk_probe_chunks": "Chunks the rule recomputed that were read in the background to measure the disk again.",
     "saved_chunks": "Whole chunks planned for saving to the store.",
     "worker_saved_chunks": "Chunks copied out of the engine into the store by the workers.",
     "save_errors": "Save jobs that failed (the chunks are simply not cached).",

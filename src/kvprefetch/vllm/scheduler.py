@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from kvprefetch.store import PrefetchHandle, TieredStore
 
 _DRAM = "dram"  # `Tier.DRAM`'s value (a StrEnum: equal to it), without importing the store here
+PROBE_CHUNKS = 4  # chunks a disk probe reads: the disk meter's sample (`TierMeter.sample_ops`)
 
 
 class Phase(StrEnum):
@@ -200,7 +201,9 @@ class SchedulerSide:
             disk_bps=settings.disk_bps_prior or float(settings.store.io.read_rate_limit_bps or 1e9),
             prefill_tps=settings.prefill_tps_prior,
             margin=settings.load_margin,
+            clock=clock,
         )
+        self._next_probe = 0.0  # (clock) the earliest time of the next disk probe (`_probe_disk`)
         self.reqs: dict[str, _Req] = {}
         self._new_loads: list[LoadJob] = []
         self._sync_planned: list[_Req] = []  # sync loads planned for the step being scheduled
@@ -358,11 +361,35 @@ class SchedulerSide:
             self.counters.inc("recomputed_slower_chunks", plan.skipped_slower - st.skipped_slower)
             st.skipped_slower = plan.skipped_slower
         k = plan.load_chunks
+        if plan.skipped_slower:
+            self._probe_disk(st, hit, k)
         if k < n_hit and st.prefetch is not None:  # reads of chunks it will recompute are wasted
             dropped = st.prefetch.cancel(st.flat_keys(k, n_hit))
             if dropped:
                 self.counters.inc("prefetch_cancelled_chunks", dropped)
         return k
+
+    def _probe_disk(self, st: _Req, hit: _Hit, k: int) -> None:
+        """The rule recomputes chunks [k, ...) of this hit: if some are on disk and the disk rate is stale, read
+        the first `PROBE_CHUNKS` of them into DRAM in the background, so the disk meter samples the disk again.
+
+        Recomputing reads nothing, so without this a slow moment, or a pessimistic `disk_bps_prior`, would keep
+        the rule recomputing forever after the disk became fast (measured: on-demand modes recomputed every hit
+        in a bench regime sweep once the first, slowest regime had set the estimate). At most one probe per
+        `disk_probe_interval_s`; the request itself does not wait for it.
+        """
+        interval = self.s.disk_probe_interval_s
+        now = self.clock()
+        if interval <= 0 or now < self._next_probe or not self.cost.disk_rate_older_than(interval):
+            return
+        chunks = [c for c in range(k, hit.num_chunks) if not hit.in_dram(c)][:PROBE_CHUNKS]
+        if not chunks:
+            return
+        self._next_probe = now + interval
+        handle = self.store.prefetch([key for c in chunks for key in st.flat_keys(c, c + 1)])
+        self.counters.inc("disk_probe_chunks", len(chunks))
+        self.disk_meter.started(handle.num_reads)
+        handle.on_ready(lambda _key, ok: self.disk_meter.completed(ok, self.chunk_bytes))
 
     def _count_reach(self, st: _Req, hit: _Hit) -> None:
         for r, tiers in enumerate(hit.tiers):

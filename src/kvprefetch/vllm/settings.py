@@ -91,6 +91,13 @@ class ConnectorSettings(BaseModel):
     prefill_tps_prior: PositiveFloat | None = Field(
         default=None, description="Prefill tokens/s assumed until measured (unset: loads pay until measured)."
     )
+    disk_probe_interval_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="When the rule recomputes chunks on disk because reading them looked slower, and the disk rate "
+        "was last measured longer ago than this, a few of them are read in the background to measure it again (a "
+        "slow moment or a pessimistic prior is otherwise never corrected: recomputing reads nothing). 0: never.",
+    )
     load_margin: PositiveFloat = Field(
         default=1.0, description="Load a chunk only if its load time * margin <= its recompute time (default 1.0)."
     )
