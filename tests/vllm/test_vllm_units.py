@@ -401,6 +401,26 @@ def test_a_rule_that_recomputes_because_the_disk_looked_slow_measures_it_again_a
     assert never.get_num_new_matched_tokens(r5, 0) == (0, False) and len(store.handles) == 1, "0: never probes"
 
 
+def test_in_step_loads_planned_for_a_step_queue_ahead_of_the_next_requests_reads():
+    """Sync loads of one step share the disk: the second request of a burst is weighed behind the first's reads."""
+    side, store, keyer, _ = make_scheduler(prefetch=False, load_mode="sync")
+    side.cost.observe_prefill(2560, 0.1)  # 10 ms to compute a chunk
+    side.cost.observe_disk(1000, 0.006)  # 6 ms to read one
+    toks = list(range(1100))
+    for k in keyer.keys(toks)[:3]:
+        store.tiers[k] = "disk"
+    a, b, c = req(toks), req(toks), req(toks)
+    for r in (a, b, c):
+        side.on_new_request(r)
+    assert side.get_num_new_matched_tokens(a, 0) == (768, False), "18 ms of reads against 30 ms of compute"
+    side.update_state_after_alloc(a, list(range(9)), 768)
+    assert side.get_num_new_matched_tokens(b, 0) == (0, False), "behind a's 18 ms, its own would end at 36 ms"
+    so = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+                         num_scheduled_tokens={}, total_num_scheduled_tokens=0)
+    side.build_connector_meta(so)  # the step with a's reads runs; the next is scheduled after it
+    assert side.get_num_new_matched_tokens(c, 0) == (768, False), "nothing planned ahead of it in its step"
+
+
 def test_scheduler_sync_load_from_dram_skips_engine_prefix_and_keeps_one_token():
     side, store, keyer, _ = make_scheduler(prefetch=False)
     toks = list(range(1024))  # exactly four chunks: the last can't be a hit (a token must be computed)

@@ -118,6 +118,7 @@ class _Req:
     holds: set[bytes] = field(default_factory=set)  # chunks pinned in DRAM for it (`DramHolds`)
     hit_tokens: dict[str, int] = field(default_factory=dict)  # the last load's tokens per tier
     skipped_slower: int = 0
+    step_reads: int = 0  # chunks its in-step (sync) load reads from below DRAM, none of them in flight already
     saved_chunks: int = 0  # leading chunks known to be in the store (loaded, present or saved)
     saves_inflight: set[int] = field(default_factory=set)
 
@@ -279,15 +280,19 @@ class SchedulerSide:
 
     def _queued_disk_bytes(self, st: _Req) -> int:
         """Reads queued in front of this request's: other requests' unfinished reads that arrived earlier
-        (prefetch is served in arrival order); with no read of its own in flight, every outstanding read."""
+        (prefetch is served in arrival order); with no read of its own in flight, every outstanding read. Either
+        way also the reads of the in-step loads already planned for the step being scheduled: the workers start
+        them with the step, and this request's reads would queue behind them (without them, every request of a
+        burst was weighed against an idle disk, and a sync engine loaded them all where recomputing was faster)."""
+        in_step = sum(o.step_reads for o in self._sync_planned if o is not st) * self.cost.chunk_bytes
         if st.prefetch is None or not st.prefetch.pending():
-            return self.disk_meter.outstanding * self.chunk_bytes
+            return self.disk_meter.outstanding * self.chunk_bytes + in_step
         n = sum(
             other.prefetch.pending()
             for other in self.reqs.values()
             if other is not st and other.prefetch is not None and other.arrival_seq < st.arrival_seq
         )
-        return n * self.chunk_bytes
+        return n * self.chunk_bytes + in_step
 
     # ---- reaching the request -------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -446,6 +451,7 @@ class SchedulerSide:
             st.load = job
             st.load_settled = not job.awaits_prefetch
         else:
+            st.step_reads = 0 if self._reads_in_flight(st) else plan.below_dram
             self._sync_planned.append(st)
         self.holds.set_phase(st, Phase.LOADING)
         self._new_loads.append(job)

@@ -38,6 +38,9 @@ Connector keys (besides the store's):
 * ``load_margin``: load a prefix only if its load time * margin <= its recompute time (default 1.0).
 * ``prefill_tps_prior`` / ``disk_bps_prior``: rates assumed until measured (default: none / the tier's
   ``io.read_rate_limit_bps`` or 1 GB/s).
+* ``disk_probe_interval_s``: when the rule recomputes disk hits because the disk looked slow and its rate was
+  last measured longer ago than this, a few of them are read in the background to measure it again (default 2;
+  0: never).
 * ``layerwise``: load layer by layer inside the forward pass (default true).
 * ``save``: save new whole chunks (default true).
 * ``on_load_failure``: ``recompute`` (default: a failed chunk is a miss) or ``fail`` (vLLM's own policy).
