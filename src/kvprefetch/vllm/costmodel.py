@@ -14,7 +14,7 @@ prior, loads pay until the first forward has been timed: a fresh engine has noth
 from DRAM is far faster than any prefill). A rule that recomputes because the disk looks slow reads nothing, so
 nothing would ever correct that estimate once the disk is fast again: the scheduler then reads a few of the
 chunks it recomputes in the background, at most every ``disk_probe_interval_s``, to measure the disk again
-(`Scheduler._probe_disk`).
+(`SchedulerSide._probe_disk`).
 
 Per request the plan (which leading chunks to load, which to recompute) is `kvprefetch.loadplan.plan` on these
 rates: the rule the simulator applies too. An asynchronous load (a prefix reaching below DRAM, ``load_mode:
