@@ -264,6 +264,29 @@ class TieredStore:
                 handle.tickets[key] = self._submit_promote(key, tier, IOClass.PREFETCH, deadline)
         return handle
 
+    def measure_reads(self, keys: Sequence[bytes]) -> PrefetchHandle:
+        """Read keys' disk chunks into scratch memory, at prefetch priority and paced as promotions are, without
+        promoting them: a measurement of the disk (the connector's disk probe). Nothing enters DRAM, so the
+        chunks' own writes (the request that recomputes them saves them at once) are not kept out of DRAM by a
+        slow read of the same keys. The handle's `on_ready` says which reads moved their bytes."""
+        handle = PrefetchHandle(list(keys))
+        disk = self.disk
+        if disk is None:
+            return handle
+
+        def read(key: bytes) -> bool:
+            with self.io.transfer():
+                disk.read_bounce(key, self.chunk_bytes)
+            return True
+
+        for key in keys:
+            if not self.dram.contains(key) and disk.contains(key):
+                handle.tickets[key] = self.io.submit(
+                    Tier.DISK.value, IOClass.PREFETCH, lambda key=key: read(key), nbytes=self.image_bytes,
+                    paced_inside=True,
+                )  # fmt: skip
+        return handle
+
     def _promote_remote_batch(self, keys: list[bytes]) -> dict[bytes, bool]:
         """One batched remote read straight into DRAM slots; per key, whether it is in DRAM afterwards."""
         assert self.remote is not None

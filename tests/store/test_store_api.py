@@ -37,6 +37,26 @@ def test_prefetch_results_per_chunk(open_store, keyer):
     assert handle.results() == {keys[0]: True, keys[1]: True, keys[2]: False, keys[3]: True}
 
 
+def test_measure_reads_reads_disk_chunks_without_promoting_them(open_store, keyer):
+    """The connector's disk probe: the chunks' bytes come off the disk (counted), nothing enters DRAM, and a
+    save of the same keys meanwhile goes to DRAM as usual."""
+    store = open_store()
+    keys = keyer.keys(range(16 * 4))
+    store.put(keys[:3], [chunk_payload(k) for k in keys[:3]]).result(10)
+    for k in keys[1:3]:
+        store.dram.discard(k)
+    handle = store.measure_reads(keys)
+    assert sorted(handle.tickets) == sorted(keys[1:3]), "none for a DRAM chunk or a missing one"
+    ok: list[bool] = []
+    handle.on_ready(lambda _k, moved: ok.append(moved))
+    assert handle.wait(10) and ok == [True, True]
+    assert not any(store.dram.contains(k) for k in keys[1:3]), "measured, not promoted"
+    read = store.stats()["io"]["disk/prefetch"]
+    assert read["ops"] == 2 and read["bytes"] == 2 * store.image_bytes, "counted as the disk's prefetch-class reads"
+    store.put(keys[1:2], [chunk_payload(keys[1])]).result(10)
+    assert store.dram.contains(keys[1])
+
+
 def _slow_writer(config_json: str, key: bytes, hold_s: float, ready) -> None:
     store = TieredStore(StoreConfig.model_validate_json(config_json), chunk_bytes=CHUNK_BYTES)
     slot = store.dram.allocate(key, CHUNK_BYTES)

@@ -265,6 +265,9 @@ class FakeStore:
         self.handles.append(h)
         return h
 
+    def measure_reads(self, keys):
+        return self.prefetch(keys)
+
     def pin(self, keys):
         self.pins += keys
         return [self.tiers.get(k) == "dram" for k in keys]

@@ -376,7 +376,9 @@ class SchedulerSide:
 
     def _probe_disk(self, st: _Req, hit: _Hit, k: int) -> None:
         """The rule recomputes chunks [k, ...) of this hit: if some are on disk and the disk rate is stale, read
-        the first `PROBE_CHUNKS` of them into DRAM in the background, so the disk meter samples the disk again.
+        the first `PROBE_CHUNKS` of them in the background (`TieredStore.measure_reads`: into scratch memory, not
+        DRAM, where they would keep this request's own saves of them out until the slow reads end), so the disk
+        meter samples the disk again.
 
         Recomputing reads nothing, so without this a slow moment, or a pessimistic `disk_bps_prior`, would keep
         the rule recomputing forever after the disk became fast (measured: on-demand modes recomputed every hit
@@ -391,7 +393,7 @@ class SchedulerSide:
         if not chunks:
             return
         self._next_probe = now + interval
-        handle = self.store.prefetch([key for c in chunks for key in st.flat_keys(c, c + 1)])
+        handle = self.store.measure_reads([key for c in chunks for key in st.flat_keys(c, c + 1)])
         self.counters.inc("disk_probe_chunks", len(chunks))
         self.disk_meter.started(handle.num_reads)
         handle.on_ready(lambda _key, ok: self.disk_meter.completed(ok, self.chunk_bytes))
