@@ -78,13 +78,47 @@ def test_a_pool_in_use_by_another_attachment_stays_when_one_detaches(name):
 
 
 def test_an_expired_pool_is_removed_on_the_next_attach(name):
-    assert _child(name, "0", "kill") == -signal.SIGKILL
+    assert _child(name, "1", "kill") == -signal.SIGKILL
     path = SHM_DIR / f"kvprefetch-{name}.pool"
-    assert path.exists(), "a killed process never detaches"
+    assert path.exists(), "a killed process never detaches (and a pool kept idle has no watcher)"
     old = os.stat(path).st_ino
-    with _pool(name, keep_idle_s=0) as fresh:  # its only process is dead and its policy keeps nothing idle
+    time.sleep(1.1)  # its only process is dead, for longer than its policy keeps it idle
+    with _pool(name, keep_idle_s=0) as fresh:
         assert fresh.created and not fresh.contains(KEY)
         assert os.stat(path).st_ino != old
+
+
+def _watchers(path) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", "pool_watch"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if str(path) in line]
+
+
+def _gone_within(path, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not path.exists()
+
+
+def test_a_pool_whose_last_process_was_killed_is_removed_by_its_watcher(name):
+    path = SHM_DIR / f"kvprefetch-{name}.pool"
+    assert _child(name, "0", "kill") == -signal.SIGKILL
+    assert _gone_within(path, 10), "keep_idle_s=0: the watcher is the last one out when the last process died"
+    time.sleep(1)
+    assert not _watchers(path), "and exits"
+
+
+def test_a_watcher_leaves_a_pool_that_a_live_process_still_uses(name):
+    path = SHM_DIR / f"kvprefetch-{name}.pool"
+    with _pool(name, keep_idle_s=0) as mine:
+        assert len(_watchers(path)) == 1, "one watcher per pool"
+        assert _child(name, "0", "kill") == -signal.SIGKILL
+        time.sleep(1)  # a few of the watcher's polls
+        assert path.exists() and mine.contains(KEY), "this process is attached still"
+        assert len(_watchers(path)) == 1
+    assert not path.exists(), "the last detach removed it"
+    time.sleep(1)
+    assert not _watchers(path), "the watcher exits once its pool is gone"
 
 
 def test_a_pool_is_kept_within_its_idle_time_and_removed_by_status_after_it(name):

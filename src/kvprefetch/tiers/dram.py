@@ -24,7 +24,8 @@ See kvprefetch.crashpoints and tests/store/test_crash_points.py, which kill a pr
 
 The pool outlives its processes only as its declared `keep_idle_s` says (0: the last process to detach removes
 it); a pool idle past that (processes that died count as gone) is removed by the next process that opens the
-name or looks at it (`kvprefetch status`).
+name or looks at it (`kvprefetch status`), and by its watcher (`tiers.pool_watch`) when the last process attached
+died without detaching.
 
 Reservation invariant: a slot is handed out (`allocate`) only from a *reserved* pool, one whose whole file is
 allocated in RAM (posix_fallocate) and marked so in its first page; so a node without the memory fails with a
@@ -56,6 +57,7 @@ from kvprefetch.crashpoints import crash_point
 from kvprefetch.tiers.access import PRIVATE, FileAccess, PoolAccessError
 from kvprefetch.tiers.chunk_format import ALIGN, HEADER_BYTES, CorruptChunk, align_up, verify_image
 from kvprefetch.tiers.memory import populate
+from kvprefetch.tiers.pool_watch import ensure_watcher
 
 log = logging.getLogger(__name__)
 
@@ -318,6 +320,10 @@ class SharedChunkPool:
             raise
         self.created = created
         self._closed = False
+        if not observer and keep_idle_s == 0:
+            # the last one out, should the last process attached die without detaching (see `pool_watch`)
+            procs_offset = self.geometry.offsets()[2]
+            ensure_watcher(str(self.path), procs_offset, self.geometry.max_procs, _LIFE_OFFSET)
 
     @classmethod
     def attach(
