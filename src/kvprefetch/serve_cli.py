@@ -17,7 +17,8 @@ console = Console(stderr=True)
 # vLLM's default (0) force-kills the engine on SIGTERM at once: the connector would never drain its write-back
 # or detach from the DRAM pool. A grace period lets vLLM run the connector's shutdown.
 SHUTDOWN_TIMEOUT_S = 30
-TINY = "kvprefetch-tiny"  # MODEL naming the shipped tiny test model
+TINY = "kvprefetch-tiny"
+WARM_MIDDLEWARE = "kvprefetch.vllm.warm_api.WarmMiddleware"  # MODEL naming the shipped tiny test model
 
 
 def build_extra(config: Path | None, extra_json: str | None, sets: list[str]) -> dict[str, Any]:
@@ -93,6 +94,7 @@ def serve(
             console.print(f"[red]{err}[/red]")
             raise typer.Exit(2) from None
         transfer = connector_transfer_config(extra_cfg)
+        vllm_args += ["--middleware", WARM_MIDDLEWARE]  # POST /v1/kvprefetch/warm on vLLM's own port
     if not any(a == "--shutdown-timeout" or a.startswith("--shutdown-timeout=") for a in vllm_args):
         vllm_args += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     argv = server_argv(model, transfer, vllm_args)

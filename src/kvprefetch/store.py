@@ -204,6 +204,15 @@ class TieredStore:
                     tiers[i] = Tier.REMOTE
         return tiers
 
+    def in_dram(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: whether it is in the DRAM tier now (READY)."""
+        return self.dram.contains_many(list(keys))
+
+    def writing(self, key: bytes) -> bool:
+        """Whether key is being written into DRAM now (a put or a promotion in flight, by any process on the
+        node): a lookup reads it as a miss, yet it is about to be a hit."""
+        return self.dram.writing(key)
+
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
         """Longest prefix of keys present in some tier, and the fastest tier holding each."""
         tiers = self._tiers_of(keys)

@@ -34,11 +34,12 @@ def test_serve_runs_vllms_openai_server_with_the_connector_and_a_shutdown_grace(
     }  # fmt: skip
     assert argv[argv.index("--port") + 1] == "8001" and argv[argv.index("--max-model-len") + 1] == "4096"
     assert argv[argv.index("--shutdown-timeout") + 1] == "30"
+    assert argv[argv.index("--middleware") + 1] == "kvprefetch.vllm.warm_api.WarmMiddleware"  # the warm-up API
 
 
 def test_a_users_shutdown_timeout_and_no_connector_are_kept():
     argv = _dry_run("org/model", "--no-connector", "--shutdown-timeout", "5")
-    assert "--kv-transfer-config" not in argv
+    assert "--kv-transfer-config" not in argv and "--middleware" not in argv
     assert argv.count("--shutdown-timeout") == 1 and argv[argv.index("--shutdown-timeout") + 1] == "5"
 
 

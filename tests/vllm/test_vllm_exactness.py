@@ -99,6 +99,27 @@ def test_c_disk_hit_after_dram_eviction(engines):
     assert promoted >= 4
 
 
+def test_g_a_warmed_load_equals_recompute(engines):
+    """The warm-up API (a client naming the next turn's head before it arrives): chunks on disk are read up into
+    DRAM and leased; the request that follows loads them from DRAM inside its step, exactly, and its arrival
+    ends the lease."""
+    e = engines.get("prefetch_on")
+    w = prompt(12, LEN)
+    e.generate([w], 1)
+    evict_dram(e, 700)
+    before = e.counters()
+    res = e.call(op="warm", tokens=w, ttl_s=30, wait=60)
+    assert res["warm"]["chunks"] == 4 and res["warm"]["on_disk"] == 4 and res["warm"]["missing"] == 0, res
+    assert res["now"]["in_dram"] == 4, res  # the reads landed (and were pinned) within the wait
+    assert res["leases"]["lease_chunks_pinned"] == 4
+    assert_same(e.generate([w])[0], reference(engines, w))
+    after = e.counters()
+    d = delta(after, before)
+    assert d["warm_calls"] == 1 and d["warm_read_chunks"] == 4
+    assert d["worker_loaded_chunks"] == 4 and d["sync_loads"] == 1 and d["async_loads"] == 0, d  # from DRAM
+    assert d["leases_used"] == 1 and d["lease_pinned_chunks"] == d["lease_unpinned_chunks"] == 4, d
+
+
 def test_prefetch_reaches_dram_before_the_scheduler(engines):
     """A blocker holds the only running slot; three queued requests' chunks are read while they wait."""
     e = engines.get("prefetch_on")

@@ -276,6 +276,12 @@ class FakeStore:
         for k in keys:
             self.pins.remove(k)
 
+    def writing(self, key):
+        return False
+
+    def in_dram(self, keys):
+        return [self.tiers.get(k) == "dram" for k in keys]
+
 
 def make_scheduler(prefetch=True, **extra):
     from kvprefetch.keys import ChunkKeyer, KVNamespace

@@ -131,6 +131,19 @@ def main() -> None:
                 cost = c.cost_snapshot() or cost
                 ranks = c.rank_stats() or ranks
             _reply({"counters": snapshot_all(), "stores": stores, "cost": cost, "ranks": ranks})
+        elif op == "warm":
+            # The warm-up API in-process (what POST /v1/kvprefetch/warm calls); "wait": until the lease's chunks
+            # are all in DRAM (or the timeout), so that a test knows where the next request finds them.
+            from kvprefetch.vllm.connector import live_connectors
+
+            sched = next(c for c in live_connectors() if c.is_scheduler)
+            counts = sched.warm(cmd["tokens"], cmd.get("ttl_s", 30.0))
+            now = counts
+            deadline = time.monotonic() + cmd.get("wait", 0)
+            while now is not None and now.in_dram < now.chunks and time.monotonic() < deadline:
+                time.sleep(0.01)
+                now = sched.warm_status(counts.id)
+            _reply({"warm": counts.as_json(), "now": now.as_json() if now else None, "leases": sched.lease_stats()})
         elif op == "flush":
             # Every write-back finished: this process's connectors' and, with TP > 1, the worker processes'.
             ok = _flush_connectors() and all(llm.collective_rpc(_flush_connectors))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -31,9 +32,10 @@ from kvprefetch.vllm.compat import (
 from kvprefetch.vllm.layout import effective_chunk_tokens, geometry_from_spec
 from kvprefetch.vllm.metadata import KVPrefetchMetadata
 from kvprefetch.vllm.metrics import ConnectorCounters, Reporter
-from kvprefetch.vllm.scheduler import SchedulerSide
+from kvprefetch.vllm.scheduler import SchedulerSide, WarmCounts
 from kvprefetch.vllm.settings import ConnectorSettings, parse_extra_config
 from kvprefetch.vllm.stats import KVPrefetchPromMetrics, KVPrefetchStats, StatsTracker, vllm_hit_sources
+from kvprefetch.vllm.warm_api import WarmServer, engine_handler, socket_name
 from kvprefetch.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -135,6 +137,7 @@ class KVPrefetchConnector(KVConnectorBase_V1):
         self._reporter: Reporter | None = None
         self._vllm_stats = StatsTracker(self.counters, lambda: self.store.io.stats.totals())
         self._closed_store = False
+        self._warm_server: WarmServer | None = None
         if is_scheduler:
             store = open_store(self.settings, self.geo.chunk_bytes)
             self._sched = SchedulerSide(
@@ -151,6 +154,7 @@ class KVPrefetchConnector(KVConnectorBase_V1):
                 self.counters, store.stats, interval_s=self.settings.log_interval_s,
                 metrics_dir=self.settings.metrics_dir, metrics_port=self.settings.metrics_port, serve=True,
             )
+            self._warm_server = _start_warm_server(self._kv_transfer_config.engine_id, self._sched)
             log.info(
                 "kvprefetch: scheduler side up (chunk %d tokens = %d B per rank x %d ranks, prefetch %s, "
                 "load_mode %s, namespace %s)",
@@ -251,6 +255,10 @@ class KVPrefetchConnector(KVConnectorBase_V1):
         this process's pins there (otherwise only the next process to attach reaps them)."""
         if self._worker is not None:
             self._worker.shutdown()  # waits for its saves and the store's write-back
+        if self._warm_server is not None:
+            self._warm_server.close()
+        if self._sched is not None:
+            self._sched.leases.close()
         if self._reporter is not None:
             self._reporter.close()
         # Detach from the DRAM pool last (the reporter reads its stats): the last process to detach frees the
@@ -327,9 +335,34 @@ class KVPrefetchConnector(KVConnectorBase_V1):
         and saves as they reported them with each step's output."""
         return self._sched.rank_counters.snapshot() if self._sched is not None else None
 
+    def warm(self, token_ids: list[int], ttl_s: float = 30.0, lease_id: str | None = None) -> WarmCounts:
+        """(Scheduler side) The warm-up API in-process: read the whole chunks of token_ids up into DRAM and lease
+        them for ttl_s (`SchedulerSide.warm`); what `POST /v1/kvprefetch/warm` calls."""
+        assert self._sched is not None, "warm-up runs on the scheduler side"
+        return self._sched.warm(token_ids, ttl_s, lease_id or f"warm-{uuid.uuid4().hex[:16]}")
+
+    def warm_status(self, lease_id: str) -> WarmCounts | None:
+        """(Scheduler side) A warm-up's chunks now (None: unknown, expired or ended)."""
+        return self._sched.warm_status(lease_id) if self._sched is not None else None
+
+    def lease_stats(self) -> dict[str, int]:
+        """(Scheduler side) Leases now: how many, the keys they hold and will hold, the budget."""
+        return self._sched.leases.snapshot() if self._sched is not None else {}
+
     def wait_for_prefetches(self, timeout: float) -> bool:
         """(Scheduler side) Wait until every known request's reads into DRAM have finished; False on timeout."""
         return self._sched.wait_for_reads(timeout) if self._sched is not None else True
+
+
+def _start_warm_server(engine_id: str | None, sched: SchedulerSide) -> WarmServer | None:
+    """The warm-up API's engine side (`warm_api`), on a unix socket named after vLLM's engine id."""
+    if not engine_id:
+        return None
+    try:
+        return WarmServer(socket_name(engine_id), engine_handler(sched), sched.leases.expire)
+    except OSError as err:  # another engine with this id on the node (DP ranks share one id): no warm-up here
+        log.warning("kvprefetch: warm-up API not served by this engine (%s)", err)
+        return None
 
 
 def _tp_rank() -> int:

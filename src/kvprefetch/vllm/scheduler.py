@@ -42,7 +42,9 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from kvprefetch.keys import ChunkKeyer
+from kvprefetch.tiers.chunk_format import image_bytes
 from kvprefetch.vllm.costmodel import CostModel, TierMeter
+from kvprefetch.vllm.leases import Lease, Leases
 from kvprefetch.vllm.metadata import KVPrefetchMetadata, KVPrefetchWorkerMeta, LoadJob, SaveJob
 from kvprefetch.vllm.metrics import ConnectorCounters, RankCounters, hit_counter
 from kvprefetch.vllm.settings import ConnectorSettings, LoadMode
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
 
 _DRAM = "dram"  # `Tier.DRAM`'s value (a StrEnum: equal to it), without importing the store here
 PROBE_CHUNKS = 4  # chunks a disk probe reads: the disk meter's sample (`TierMeter.sample_ops`)
+JOIN_WAIT_PRIOR_S = 0.5  # the longest wait for a save in flight until the prefill rate is measured
 
 
 class Phase(StrEnum):
@@ -121,6 +124,7 @@ class _Req:
     step_reads: int = 0  # chunks its in-step (sync) load reads from below DRAM, none of them in flight already
     saved_chunks: int = 0  # leading chunks known to be in the store (loaded, present or saved)
     saves_inflight: set[int] = field(default_factory=set)
+    join_until: float | None = None  # (clock) how long it waits for a save of its next chunk still in flight
 
     def chunk_keys(self, first: int, end: int) -> list[list[bytes]]:
         return [k[first:end] for k in self.keys]
@@ -221,7 +225,12 @@ class SchedulerSide:
         self._running: set[str] = set()
         # Throughput of the reads this process drives (prefetches); the workers report their own demand reads.
         self.disk_meter = TierMeter(self.cost.observe_disk, clock=clock)
-        self.holds = DramHolds(store, int(settings.store.dram.capacity_bytes) // max(chunk_bytes, 1) // 2)
+        dram = int(settings.store.dram.capacity_bytes)
+        self.holds = DramHolds(store, dram // max(chunk_bytes, 1) // 2)
+        slots = dram // image_bytes(chunk_bytes)  # (a slot holds a chunk's image: its payload and header)
+        self.leases = Leases(store, int(slots * settings.lease_budget_share), counters.inc, clock)
+        self._saving: dict[bytes, float] = {}  # keys of save jobs in flight -> (clock) until when to wait for them
+        self._save_keys: dict[int, list[bytes]] = {}  # save job id -> its keys (every rank's)
 
     # ---- keys and lookup ------------------------------------------------------------------------------------
     def _keys(self, st: _Req, num_tokens: int) -> int:
@@ -247,6 +256,7 @@ class SchedulerSide:
     # ---- arrival --------------------------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
         st = self._state(request)
+        self.leases.expire()
         if not self.s.prefetch or self.s.load_policy == "never":
             return
         n = self._keys(st, len(request.prompt_token_ids or ()))
@@ -261,6 +271,7 @@ class SchedulerSide:
                 self.rank_counters.inc(r, "prefetched_chunks", sum(1 for t in tiers if t != _DRAM))
             self._start_reads(st, st.flat_keys(0, m))
             self.holds.set_phase(st, Phase.PREFETCHING)
+        self.leases.release_within(set(st.flat_keys(0, m)))  # the turn a lease kept them for is here
 
     def _start_reads(self, st: _Req, keys: list[bytes]) -> None:
         """Read keys' chunks below DRAM into DRAM now; each is held for the request as it lands."""
@@ -295,12 +306,17 @@ class SchedulerSide:
         return n * self.chunk_bytes + in_step
 
     # ---- reaching the request -------------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
         st.plan = None
         if self.s.load_policy == "never":
             return 0, False
-        plan = self._reach(st, num_computed_tokens)
+        # At least one token must be computed to produce logits: never hit the whole sequence.
+        n = self._keys(st, max(st.request.num_tokens - 1, 0))
+        hit = self._lookup(st, n) if n else None
+        if hit is not None and self._joins_save(st, hit, n):
+            return None, False  # vLLM asks again next step
+        plan = self._reach(st, hit, num_computed_tokens)
         if plan is None:
             self.holds.set_phase(st, Phase.RECOMPUTED)
             return 0, False
@@ -308,13 +324,32 @@ class SchedulerSide:
         self.holds.set_phase(st, Phase.PLANNED)
         return plan.load * self.C - num_computed_tokens, plan.is_async
 
-    def _reach(self, st: _Req, num_computed_tokens: int) -> _Plan | None:
+    def _joins_save(self, st: _Req, hit: _Hit, n: int) -> bool:
+        """Turn N+1 never misses turn N's save: when the chunk right after the request's hit is still being
+        saved (a save job of ours in flight, or a slot being written in the node's pool by any process), the
+        request waits for that write instead of recomputing what is about to land. (A turn that follows its
+        predecessor at once finds that turn's last chunks still in the workers' save queue: a plain lookup reads
+        them as a miss.) Never longer than recomputing that chunk and the hit before it would take (`_join_wait_s`),
+        so a save that never lands costs at most what recomputing costs anyway."""
+        i = hit.num_chunks
+        now = self.clock()
+        if i >= n or not any(now < self._saving.get(k[i], -1.0) or self.store.writing(k[i]) for k in st.keys):
+            st.join_until = None
+            return False
+        if st.join_until is None:
+            st.join_until = now + self._join_wait_s(i + 1)
+            self.counters.inc("joined_saves")
+        return now < st.join_until
+
+    def _join_wait_s(self, chunks: int) -> float:
+        tps = self.cost.prefill_tps.value
+        recompute_s = chunks * self.C / tps if tps else JOIN_WAIT_PRIOR_S
+        return min(recompute_s, self.s.store.io.join_timeout_s)
+
+    def _reach(self, st: _Req, hit: _Hit | None, num_computed_tokens: int) -> _Plan | None:
         """The scheduler reached the request: what to load (None: nothing, it recomputes)."""
-        # At least one token must be computed to produce logits: never hit the whole sequence.
-        n = self._keys(st, max(st.request.num_tokens - 1, 0))
-        if not n:
+        if hit is None:
             return None
-        hit = self._lookup(st, n)
         first = num_computed_tokens // self.C  # chunks fully on the engine already
         if st.phase in (Phase.ARRIVED, Phase.PREFETCHING):  # reached for the first time
             self._count_reach(st, hit)
@@ -439,6 +474,7 @@ class SchedulerSide:
         job = LoadJob(request.request_id, st.chunk_keys(first, k), per_chunk, plan.is_async,
                       on_disk=plan.below_dram)  # fmt: skip
         self.holds.hold(st, st.flat_keys(first, k))
+        self.leases.release_within(set(st.flat_keys(0, k)))
         st.saved_chunks = max(st.saved_chunks, k)
         self.counters.inc("loaded_chunks", k - first)
         if plan.below_dram and not self._reads_in_flight(st):
@@ -465,6 +501,8 @@ class SchedulerSide:
             if st.phase is Phase.LOADING:
                 self.holds.set_phase(st, Phase.DONE)
         self._sync_running, self._sync_planned = self._sync_planned, []
+        self.leases.expire()
+        self._forget_stale_saves()
         meta = KVPrefetchMetadata(loads=self._new_loads)
         self._new_loads = []
         # Async loads whose reads (here) have all finished: the worker stops waiting for their chunks.
@@ -527,6 +565,10 @@ class SchedulerSide:
             self._next_job += 1
             st.saves_inflight.add(job.job_id)
             self._save_owner[job.job_id] = (rid, 0)
+            self._save_keys[job.job_id] = keys = [k for rank in job.keys for k in rank]
+            until = self.clock() + self.s.store.io.join_timeout_s  # (a save never reported: forgotten then)
+            for key in keys:
+                self._saving[key] = until
             meta.saves.append(job)
             self.counters.inc("saved_chunks", full - first)
 
@@ -540,6 +582,7 @@ class SchedulerSide:
                 rid, done = owner[0], owner[1] + n
                 if done >= self.tp_size:
                     del self._save_owner[job_id]
+                    self._save_landed(job_id)
                     st = self.reqs.get(rid)
                     if st is not None:
                         st.saves_inflight.discard(job_id)
@@ -552,6 +595,8 @@ class SchedulerSide:
             if wm.disk_bytes and wm.disk_seconds:
                 self.cost.observe_disk(wm.disk_bytes, wm.disk_seconds)
             self.rank_counters.merge(wm.ranks)
+            if wm.saves_done:
+                self.leases.retry_pins()  # leases on finish wait for their request's last saves
         for rid in getattr(output, "finished_recving", None) or ():
             st = self.reqs.get(rid)
             if st is not None and st.phase is Phase.LOADING:
@@ -581,6 +626,7 @@ class SchedulerSide:
         st = self.reqs.pop(request.request_id, None)
         if st is None:
             return False
+        self._lease_on_finish(st)
         loading_async = st.load is not None
         st.load = None
         self.holds.set_phase(st, Phase.FINISHED)
@@ -597,3 +643,94 @@ class SchedulerSide:
             self._await_saves.append(st.req_id)
             return True
         return False
+
+    def _lease_on_finish(self, st: _Req) -> None:
+        """Keep the finished request's chunks (prompt + answer: its session's likely next head) in DRAM for
+        keep_warm_s; the chunks its last saves still write are pinned as those land (`update_connector_output`)."""
+        keep = keep_warm_s(st.request, self.s.keep_warm_s)
+        if keep > 0 and st.saved_chunks > 0:
+            self.leases.grant(f"finish-{st.req_id}", "finish", st.flat_keys(0, st.saved_chunks), keep, self.tp_size)
+
+    def _forget_stale_saves(self, limit: int = 4096) -> None:
+        """Saves never reported done (their worker died) stop being waited for at their time; forget them once
+        there are many, so the table stays small."""
+        if len(self._saving) > limit:
+            now = self.clock()
+            self._saving = {k: t for k, t in self._saving.items() if t > now}
+
+    def _save_landed(self, job_id: int) -> None:
+        for key in self._save_keys.pop(job_id, ()):
+            self._saving.pop(key, None)
+
+    # ---- warm-up: a client names the next turn's head before it arrives ---------------------------------------
+    def warm(self, token_ids: Sequence[int], ttl_s: float, lease_id: str) -> WarmCounts:
+        """Start the reads of the whole chunks of token_ids that are below DRAM (prefetch priority: demand reads
+        go first) and lease every chunk of the hit for ttl_s; answers at once, without waiting for the reads.
+        (Thread-safe: the warm server calls it from its own thread.)"""
+        self.leases.expire()
+        self.counters.inc("warm_calls")
+        n = len(token_ids) // self.C
+        keys = [k.keys(list(token_ids[: n * self.C])) for k in self.keyers]
+        tiers = [self.store.lookup(rank_keys).tiers for rank_keys in keys]
+        hit = _Hit([t[: min(len(x) for x in tiers)] for t in tiers])
+        m = hit.num_chunks
+        flat = [k[i] for i in range(m) for k in keys]
+        lease = self.leases.grant(lease_id, "warm", flat, ttl_s, self.tp_size)
+        lease.reads = self.store.prefetch(lease.keys)  # (reads only what is below DRAM)
+        if lease.reads.num_reads:
+            self.counters.inc("warm_read_chunks", lease.reads.num_reads)
+            lease.reads.on_ready(lambda key, ok: ok and self.leases.pin_landed(lease, key))
+        counts = dict.fromkeys(("dram", "disk", "remote"), 0)
+        for i in range(m):
+            counts[hit.tier(i)] += 1
+        return WarmCounts(lease_id, n, counts["dram"], counts["disk"], counts["remote"], n - m, len(lease.keys),
+                          ttl_s)  # fmt: skip
+
+    def warm_status(self, lease_id: str) -> WarmCounts | None:
+        """The lease's chunks now: how many have reached DRAM (None: no such lease, or it ended)."""
+        self.leases.expire()
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return None
+        return lease_counts(lease, self.tp_size, self.store, self.clock())
+
+    def end_lease(self, lease_id: str) -> bool:
+        return self.leases.end(lease_id)
+
+
+@dataclass(frozen=True)
+class WarmCounts:
+    """A warm-up's answer, in chunks (a chunk counts in a tier when every rank's part is there)."""
+
+    id: str
+    chunks: int  # whole chunks in the named prefix
+    in_dram: int
+    on_disk: int
+    remote: int
+    missing: int  # chunks past the leading hit: nothing to warm
+    leased_keys: int  # keys (chunks x ranks) the lease holds or will hold (cut to the lease budget)
+    ttl_s: float
+
+    def as_json(self) -> dict[str, Any]:
+        return {"id": self.id, "chunks": self.chunks, "in_dram": self.in_dram, "on_disk": self.on_disk,
+                "remote": self.remote, "missing": self.missing, "ttl_s": round(self.ttl_s, 3)}  # fmt: skip
+
+
+def lease_counts(lease: Lease, tp_size: int, store: TieredStore, now: float) -> WarmCounts:
+    """A lease's chunks where they are now (`warm_status`)."""
+    keys = lease.keys
+    chunks = len(keys) // max(tp_size, 1)
+    in_dram = store.in_dram(keys)
+    dram = sum(1 for c in range(chunks) if all(in_dram[c * tp_size : (c + 1) * tp_size]))
+    return WarmCounts(lease.lease_id, chunks, dram, chunks - dram, 0, 0, len(keys), lease.remaining_s(now))
+
+
+def keep_warm_s(request: Any, default: float) -> float:
+    """The request's own keep_warm_s (``kv_transfer_params={"kvprefetch": {"keep_warm_s": N}}``), else the
+    connector's; a value that is not a number >= 0 is ignored (a request is never failed for a hint)."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    own = params.get("kvprefetch") if isinstance(params, dict) else None
+    value = own.get("keep_warm_s") if isinstance(own, dict) else None
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= 86400:
+        return float(value)
+    return default

@@ -41,6 +41,9 @@ Connector keys (besides the store's):
 * ``disk_probe_interval_s``: when the rule recomputes disk hits because the disk looked slow and its rate was
   last measured longer ago than this, a few of them are read in the background to measure it again (default 2;
   0: never).
+* ``keep_warm_s``: lease on finish: a finished request's chunks stay in DRAM this long (default 0: only for a
+  request that asks, through ``kv_transfer_params``); see `kvprefetch.vllm.leases`.
+* ``lease_budget_share``: the share of the DRAM tier leases may hold (default 0.25).
 * ``layerwise``: load layer by layer inside the forward pass (default true).
 * ``save``: save new whole chunks (default true).
 * ``on_load_failure``: ``recompute`` (default: a failed chunk is a miss) or ``fail`` (vLLM's own policy).
@@ -103,6 +106,21 @@ class ConnectorSettings(BaseModel):
     )
     load_margin: PositiveFloat = Field(
         default=1.0, description="Load a chunk only if its load time * margin <= its recompute time (default 1.0)."
+    )
+    keep_warm_s: float = Field(
+        default=0.0,
+        ge=0,
+        le=86400,
+        description="Lease on finish: keep a finished request's prompt + answer chunks in DRAM this long, as the "
+        "likely head of its session's next turn (per request: kv_transfer_params {\"kvprefetch\": "
+        "{\"keep_warm_s\": N}}). 0: no lease unless a request asks for one.",
+    )
+    lease_budget_share: float = Field(
+        default=0.25,
+        ge=0,
+        le=0.5,
+        description="Share of the DRAM tier that leases (lease on finish, warm-up calls) may hold at once; the "
+        "oldest lease gives way when a new one needs room.",
     )
     on_load_failure: Literal["recompute", "fail"] = Field(
         default="recompute",

@@ -1,12 +1,14 @@
-"""However a `kvprefetch serve` is stopped, it leaves no DRAM pool (keep_idle_s 0), no process, and every chunk it
-saved on disk.
+"""`kvprefetch serve` as a user runs it: its warm-up API on vLLM's port, and however it is stopped, it leaves no DRAM
+pool (keep_idle_s 0), no process, and every chunk it saved on disk.
 
-Four servers (each in its own session, as a service or a terminal runs it) serve one completion each and are
-stopped four ways: SIGINT to the process group (Ctrl-C), SIGTERM to the main process (`kill PID`, Kubernetes),
-SIGTERM to the process group (`systemctl stop`'s default, `kill -TERM -PGID`) and SIGTERM to the engine-core
-process alone. The third used to leave the pool in /dev/shm: vLLM's engine core resets its signal handlers
-before its own shutdown, so the second SIGTERM of that stop (its API server's) killed it before the connector
-detached; the pool's watcher (`kvprefetch.tiers.pool_watch`) is the last one out now.
+Three servers (each in its own session, as a service or a terminal runs it) serve one completion each and are
+stopped three ways: SIGINT to the process group (Ctrl-C), SIGTERM to the process group (`systemctl stop`'s
+default, `kill -TERM -PGID`) and SIGTERM to the engine-core process alone. (SIGTERM to the main process, as
+`kill PID` and Kubernetes stop a server, is `tests/serve/test_openai_server.py`'s stop: every process detached
+itself, the write-back drained.) The group signals used to leave the pool in /dev/shm, depending on timing:
+vLLM's engine core resets its signal handlers before its own shutdown, so the second signal of such a stop (its
+API server's SIGTERM) could kill it before the connector detached; the pool's watcher
+(`kvprefetch.tiers.pool_watch`) is the last one out now.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 import uuid
 from dataclasses import dataclass
@@ -32,8 +35,11 @@ from kvprefetch.tiers.dram import SHM_DIR
 
 pytestmark = pytest.mark.slow
 
-WAYS = ("sigint-group", "sigterm-main", "sigterm-group", "sigterm-engine-core")
+WAYS = ("sigint-group", "sigterm-group", "sigterm-engine-core")
+LEFT_GRACE_S = 60  # how long the processes a stopped main process leaves behind may take to finish (a loaded CI)
 PROMPT = " ".join(f"w{5 + i % 4000}" for i in range(700))
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # (the tiny model has none of its own)
+MESSAGES = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": "w7 w8 w9"}]
 
 
 @dataclass
@@ -46,11 +52,43 @@ class Stopped:
     seconds: float
     left: list[str]  # processes of its group still alive after the main one exited (and a grace)
     log: Path
+    api: dict[str, tuple[int, dict]]  # the warm-up API's answers, by call (one server's)
 
 
 def _get(url: str, timeout: float = 5) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read()
+
+
+def _call(port: int, method: str, path: str, body: object = None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data, {"Content-Type": "application/json"},
+                                 method=method)  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def _use_warm_api(port: int) -> dict[str, tuple[int, dict]]:
+    """What a client of the warm-up API sees, right after the server computed PROMPT (its chunks in DRAM)."""
+    api = {"prompt": _call(port, "POST", "/v1/kvprefetch/warm", {"model": "tiny", "prompt": PROMPT, "ttl_s": 20})}
+    lease = api["prompt"][1]["id"]
+    api["status"] = _call(port, "GET", f"/v1/kvprefetch/warm/{lease}")
+    api["delete"] = _call(port, "DELETE", f"/v1/kvprefetch/warm/{lease}")
+    api["status_after_delete"] = _call(port, "GET", f"/v1/kvprefetch/warm/{lease}")
+    api["messages"] = _call(port, "POST", "/v1/kvprefetch/warm", {"model": "tiny", "messages": MESSAGES})
+    api["tokenize"] = _call(port, "POST", "/tokenize", {"model": "tiny", "messages": MESSAGES,
+                                                         "add_generation_prompt": False})  # fmt: skip
+    api["token_ids"] = _call(port, "POST", "/v1/kvprefetch/warm", {"model": "tiny", "prompt_token_ids": [5] * 300})
+    api["bad_model"] = _call(port, "POST", "/v1/kvprefetch/warm", {"model": "other", "prompt": PROMPT})
+    api["malformed"] = _call(port, "POST", "/v1/kvprefetch/warm", b'{"model": "tiny", ')
+    api["no_input"] = _call(port, "POST", "/v1/kvprefetch/warm", {"model": "tiny"})
+    api["bad_ttl"] = _call(port, "POST", "/v1/kvprefetch/warm", {"model": "tiny", "prompt": "w5", "ttl_s": -1})
+    api["unknown_id"] = _call(port, "GET", "/v1/kvprefetch/warm/warm-0000")
+    api["wrong_method"] = _call(port, "GET", "/v1/kvprefetch/warm")
+    return api
 
 
 def _complete(port: int) -> None:
@@ -77,8 +115,6 @@ def _engine_core(pid: int) -> int:
 def _stop(way: str, proc: subprocess.Popen) -> None:
     if way == "sigint-group":
         os.killpg(proc.pid, signal.SIGINT)
-    elif way == "sigterm-main":
-        proc.send_signal(signal.SIGTERM)
     elif way == "sigterm-group":
         os.killpg(proc.pid, signal.SIGTERM)
     else:
@@ -98,7 +134,8 @@ def stopped(tmp_path_factory) -> dict[str, Stopped]:
                     "--set", f"dram.pool_name={pool}", "--set", "dram.capacity_bytes=64MiB",
                     "--set", f"disk.path={disk}", "--set", "log_interval_s=0",
                     "--port", str(port), "--host", "127.0.0.1", "--served-model-name", "tiny",
-                    "--kv-cache-memory-bytes", str(48 << 20), "--max-model-len", "4096"]  # fmt: skip
+                    "--kv-cache-memory-bytes", str(48 << 20), "--max-model-len", "4096",
+                    "--chat-template", CHAT_TEMPLATE]  # fmt: skip
             with open(log, "w") as out:
                 proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                         env=dict(os.environ, PYTHONUNBUFFERED="1"))  # fmt: skip
@@ -117,6 +154,7 @@ def stopped(tmp_path_factory) -> dict[str, Stopped]:
         for way, (proc, port, pool, disk, log) in servers.items():
             _complete(port)
             time.sleep(0.5)  # the worker reports its saves with the step after
+            api = _use_warm_api(port) if way == WAYS[0] else {}
             saved = metric_sum(parse_metrics(_get(f"http://127.0.0.1:{port}/metrics").decode()),
                                "vllm:kvprefetch_saved_chunks_total")  # fmt: skip
             assert pool.exists(), f"{way}: the server's DRAM pool"
@@ -124,10 +162,10 @@ def stopped(tmp_path_factory) -> dict[str, Stopped]:
             _stop(way, proc)
             rc = proc.wait(timeout=120)
             seconds = time.monotonic() - t0
-            end = time.monotonic() + 15  # what the main process left behind has this long to go
+            end = time.monotonic() + LEFT_GRACE_S  # what the main process left behind has this long to go
             while _group(proc.pid) and time.monotonic() < end:
                 time.sleep(0.2)
-            results[way] = Stopped(way, pool, disk, saved, rc, seconds, _group(proc.pid), log)
+            results[way] = Stopped(way, pool, disk, saved, rc, seconds, _group(proc.pid), log, api)
         yield results
     finally:
         for proc, _port, pool, _disk, _log in servers.values():
@@ -153,3 +191,24 @@ def test_a_stopped_server_leaves_no_pool_no_process_and_every_saved_chunk_on_dis
     assert str(s.pool) not in watchers, "the pool's watcher exits with its pool"
     on_disk = len(list(s.disk.rglob("*.kv")))
     assert s.saved_chunks > 0 and on_disk == s.saved_chunks, (way, on_disk, s.saved_chunks, s.log)
+
+
+def test_the_warm_up_api_on_vllms_port(stopped):
+    api = stopped[WAYS[0]].api
+    status, warm = api["prompt"]
+    assert status == 200 and set(warm) == {"id", "chunks", "in_dram", "on_disk", "remote", "missing", "ttl_s"}
+    assert warm["chunks"] >= 2 and warm["missing"] == 0 and warm["in_dram"] + warm["on_disk"] == warm["chunks"]
+    assert api["status"][0] == 200 and api["status"][1]["id"] == warm["id"] and api["status"][1]["ttl_s"] <= 20
+    assert api["delete"] == (200, {"id": warm["id"], "ended": True})
+    assert api["status_after_delete"][0] == 404
+    # Messages are tokenized as vLLM's /tokenize does (the server's chat template, no generation prompt), so the
+    # chunks named are those the next request's head will look up.
+    status, chat = api["messages"]
+    assert status == 200 and chat["chunks"] == len(api["tokenize"][1]["tokens"]) // 256 >= 2
+    assert chat["in_dram"] + chat["on_disk"] + chat["missing"] == chat["chunks"]
+    assert api["token_ids"][0] == 200 and api["token_ids"][1]["chunks"] == 1 and api["token_ids"][1]["missing"] == 1
+    for call, code, said in [("bad_model", 404, "`other` does not exist"), ("malformed", 400, "malformed warm-up"),
+                             ("no_input", 400, "exactly one of"), ("bad_ttl", 400, "ttl_s"),
+                             ("unknown_id", 404, "no warm-up"), ("wrong_method", 405, "use POST")]:  # fmt: skip
+        status, body = api[call]
+        assert status == code and said in body["error"]["message"], (call, status, body)

@@ -1,0 +1,272 @@
+"""The warm-up API: a client names the next turn's head in its own terms, before the turn arrives.
+
+Served by `kvprefetch serve` on vLLM's own port (vLLM's ``--middleware``, no second address)::
+
+    POST   /v1/kvprefetch/warm        {"model", "messages" | "prompt" | "prompt_token_ids", "ttl_s": 30}
+           -> 200 {"id", "chunks", "in_dram", "on_disk", "remote", "missing", "ttl_s"}   (at once: reads go on)
+    GET    /v1/kvprefetch/warm/{id}   -> the same counts now (how many chunks have reached DRAM)
+    DELETE /v1/kvprefetch/warm/{id}   -> the lease ends
+
+Messages and prompts are tokenized by vLLM's own tokenization service (the server's tokenizer and chat
+template, as ``/tokenize`` does), so the chunks named are those the next real request will look up. A chat body
+renders *without* the generation prompt by default (``add_generation_prompt: false``): the next turn appends a
+tool result or a user message after these messages, and a generation prompt here would differ from what follows
+them there.
+
+Two halves, two processes: the middleware (`WarmMiddleware`) runs in vLLM's API server, which has the tokenizer
+but no connector; the connector's scheduler side (`SchedulerSide.warm`) runs in the engine-core process, which
+has the keys, the store and the lease budget. They talk over a unix socket in the abstract namespace named after
+vLLM's engine id (`socket_name`; nothing on disk), one JSON request and one JSON answer per connection
+(`WarmServer`). A hint never blocks a request: the engine side only looks keys up and queues reads at prefetch
+priority, on its own thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+log = logging.getLogger("kvprefetch.vllm")
+
+PATH = "/v1/kvprefetch/warm"
+MAX_MESSAGE_BYTES = 64 << 20  # a warm-up of a million-token prompt is ~8 MB of JSON
+
+
+def socket_name(engine_id: str) -> str:
+    return f"\0kvprefetch-warm-{engine_id}"
+
+
+# ---- engine side --------------------------------------------------------------------------------------------
+class WarmServer:
+    """Answers warm-up requests in the engine-core process, on a thread of its own; also expires leases while the
+    engine is idle (the scheduler's own calls expire them while it runs)."""
+
+    def __init__(self, name: str, handle: Callable[[dict[str, Any]], dict[str, Any]], tick: Callable[[], Any]):
+        self._handle = handle
+        self._tick = tick
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(name)
+        self._sock.listen(16)
+        self._sock.settimeout(0.5)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kvprefetch-warm", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                self._safely(self._tick)
+                continue
+            except OSError:
+                return
+            with conn:
+                self._answer(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.settimeout(10)
+        try:
+            request = json.loads(_read_message(conn))
+            answer = self._handle(request)
+        except Exception as err:  # a bad call gets an answer, never the server's thread
+            answer = {"status": 500, "error": f"{type(err).__name__}: {err}"}
+        with contextlib.suppress(OSError):
+            conn.sendall(json.dumps(answer).encode() + b"\n")
+
+    @staticmethod
+    def _safely(fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except Exception as err:
+            log.warning("kvprefetch: lease expiry failed: %s", err)
+
+    def close(self) -> None:
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        self._thread.join(timeout=2)
+
+
+def _read_message(conn: socket.socket) -> bytes:
+    buf = bytearray()
+    while not buf.endswith(b"\n"):
+        part = conn.recv(1 << 16)
+        if not part:
+            break
+        buf += part
+        if len(buf) > MAX_MESSAGE_BYTES:
+            raise ValueError("message too large")
+    return bytes(buf)
+
+
+def engine_handler(sched: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The engine side's answers (`SchedulerSide.warm` / `warm_status` / `end_lease`), as JSON with a status."""
+
+    def handle(req: dict[str, Any]) -> dict[str, Any]:
+        op, lease_id = req.get("op"), str(req.get("id") or "")
+        if op == "warm":
+            tokens = req.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+                return {"status": 400, "error": "tokens must be a list of token ids"}
+            return sched.warm(tokens, float(req.get("ttl_s") or 30.0), lease_id).as_json()
+        if op == "status":
+            counts = sched.warm_status(lease_id)
+            return counts.as_json() if counts is not None else {"status": 404, "error": f"no warm-up {lease_id!r} "
+                                                                 "(unknown, expired or ended)"}  # fmt: skip
+        if op == "end":
+            if sched.end_lease(lease_id):
+                return {"id": lease_id, "ended": True}
+            return {"status": 404, "error": f"no warm-up {lease_id!r} (unknown, expired or ended)"}
+        return {"status": 400, "error": f"unknown op {op!r}"}
+
+    return handle
+
+
+def engine_call(name: str, request: dict[str, Any], timeout: float = 10) -> dict[str, Any]:
+    """One request to the engine side (blocking; the middleware runs it in a thread)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(name)
+        s.sendall(json.dumps(request).encode() + b"\n")
+        return json.loads(_read_message(s))
+
+
+# ---- API server side ----------------------------------------------------------------------------------------
+class WarmBody(BaseModel):
+    """POST /v1/kvprefetch/warm: exactly one of messages, prompt, prompt_token_ids."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    ttl_s: float = Field(default=30.0, gt=0, le=3600)
+    add_generation_prompt: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> WarmBody:
+        given = [n for n in ("messages", "prompt", "prompt_token_ids") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of messages, prompt, prompt_token_ids (got {given or 'none'})")
+        return self
+
+
+class WarmError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "BadRequestError"):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+def _error(status: int, message: str, kind: str) -> tuple[int, dict[str, Any]]:
+    return status, {"error": {"message": message, "type": kind, "code": status}}
+
+
+class WarmMiddleware:
+    """ASGI middleware for vLLM's OpenAI server (``--middleware kvprefetch.vllm.warm_api.WarmMiddleware``): serves
+    /v1/kvprefetch/warm[/{id}] and passes every other request through untouched."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        path = scope.get("path", "")
+        if scope.get("type") != "http" or not (path == PATH or path.startswith(PATH + "/")):
+            await self.app(scope, receive, send)
+            return
+        from starlette.requests import Request
+        from starlette.responses import JSONResponse
+
+        request = Request(scope, receive)
+        try:
+            status, body = await self._route(request, path[len(PATH) :].strip("/"))
+        except WarmError as err:
+            status, body = _error(err.status, str(err), err.kind)
+        await JSONResponse(body, status_code=status)(scope, receive, send)
+
+    async def _route(self, request: Any, lease_id: str) -> tuple[int, dict[str, Any]]:
+        method = request.method
+        if not lease_id and method == "POST":
+            return await self._warm(request)
+        if lease_id and method in ("GET", "DELETE"):
+            op = "status" if method == "GET" else "end"
+            return await self._engine(request, {"op": op, "id": lease_id})
+        allowed = "POST" if not lease_id else "GET, DELETE"
+        raise WarmError(405, f"{method} {request.url.path}: not allowed (use {allowed})", "MethodNotAllowed")
+
+    async def _warm(self, request: Any) -> tuple[int, dict[str, Any]]:
+        try:
+            body = WarmBody.model_validate(json.loads(await request.body()))
+        except (ValueError, ValidationError) as err:  # (JSONDecodeError is a ValueError)
+            raise WarmError(400, f"malformed warm-up body: {_short(err)}") from None
+        served = _served_models(request.app.state)
+        if body.model not in served:
+            raise WarmError(404, f"The model `{body.model}` does not exist (served: {', '.join(served)}).",
+                            "NotFoundError")  # fmt: skip
+        tokens = body.prompt_token_ids if body.prompt_token_ids is not None else await _tokenize(request, body)
+        lease_id = f"warm-{uuid.uuid4().hex[:16]}"
+        return await self._engine(request, {"op": "warm", "id": lease_id, "tokens": tokens, "ttl_s": body.ttl_s})
+
+    async def _engine(self, request: Any, call: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        import asyncio
+
+        name = socket_name(_engine_id(request.app.state))
+        try:
+            answer = await asyncio.to_thread(engine_call, name, call)
+        except OSError as err:
+            raise WarmError(503, f"kvprefetch's connector is not reachable in the engine ({err}): is the server "
+                                 "running with the kvprefetch connector?", "ServiceUnavailable") from None  # fmt: skip
+        status = int(answer.pop("status", 200))
+        if status != 200:
+            return _error(status, str(answer.get("error")), "NotFoundError" if status == 404 else "InternalError")
+        return status, answer
+
+
+def _short(err: Exception) -> str:
+    if isinstance(err, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in err.errors())
+    return str(err)
+
+
+def _served_models(state: Any) -> list[str]:
+    models = getattr(state, "openai_serving_models", None)
+    return [p.name for p in getattr(models, "base_model_paths", ())]
+
+
+def _engine_id(state: Any) -> str:
+    config = getattr(getattr(state, "vllm_config", None), "kv_transfer_config", None)
+    if config is None or not getattr(config, "engine_id", None):
+        raise WarmError(503, "this server runs without a KV connector: start it with `kvprefetch serve`",
+                        "ServiceUnavailable")  # fmt: skip
+    return str(config.engine_id)
+
+
+async def _tokenize(request: Any, body: WarmBody) -> list[int]:
+    """Tokens exactly as vLLM's tokenization service makes them for the next real request."""
+    from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, TokenizeCompletionRequest
+
+    service = request.app.state.serving_tokenization
+    if body.messages is not None:
+        req: Any = TokenizeChatRequest(
+            model=body.model, messages=body.messages, add_generation_prompt=body.add_generation_prompt,
+            chat_template_kwargs=body.chat_template_kwargs, tools=body.tools,
+        )  # fmt: skip
+    else:
+        req = TokenizeCompletionRequest(model=body.model, prompt=body.prompt)
+    out = await service.create_tokenize(req, request)
+    tokens = getattr(out, "tokens", None)
+    if tokens is None:  # vLLM's ErrorResponse
+        err = getattr(out, "error", out)
+        raise WarmError(int(getattr(err, "code", 400) or 400), str(getattr(err, "message", err)))
+    return list(tokens)
