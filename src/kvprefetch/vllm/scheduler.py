@@ -46,6 +46,7 @@ from kvprefetch.vllm.costmodel import CostModel, TierMeter
 from kvprefetch.vllm.metadata import KVPrefetchMetadata, KVPrefetchWorkerMeta, LoadJob, SaveJob
 from kvprefetch.vllm.metrics import ConnectorCounters, RankCounters, hit_counter
 from kvprefetch.vllm.settings import ConnectorSettings, LoadMode
+from kvprefetch.vllm.timeline import timeline
 
 if TYPE_CHECKING:
     from kvprefetch.store import PrefetchHandle, TieredStore
@@ -222,6 +223,7 @@ class SchedulerSide:
         # Throughput of the reads this process drives (prefetches); the workers report their own demand reads.
         self.disk_meter = TierMeter(self.cost.observe_disk, clock=clock)
         self.holds = DramHolds(store, int(settings.store.dram.capacity_bytes) // max(chunk_bytes, 1) // 2)
+        self.tl = timeline()
 
     # ---- keys and lookup ------------------------------------------------------------------------------------
     def _keys(self, st: _Req, num_tokens: int) -> int:
@@ -253,6 +255,7 @@ class SchedulerSide:
         if not n:
             return
         hit = self._lookup(st, n)
+        self.tl.event("arrived", st.req_id, hit=hit.num_chunks, below=hit.below_dram(0, hit.num_chunks))
         # What is in DRAM already is held there too, or the requests ahead of it may evict it before it is served.
         m = hit.num_chunks
         self.holds.hold(st, [st.keys[r][i] for r in range(self.tp_size) for i in range(m) if hit.tiers[r][i] == _DRAM])
@@ -267,9 +270,11 @@ class SchedulerSide:
         handle = st.prefetch = self.store.prefetch(keys)
         self.counters.inc("prefetched_chunks", handle.num_reads)
         self.disk_meter.started(handle.num_reads)
+        self.tl.event("reads", st.req_id, n=handle.num_reads, queued=self.disk_meter.outstanding)
 
         def landed(key: bytes, ok: bool) -> None:  # (I/O thread)
             self.disk_meter.completed(ok, self.chunk_bytes)
+            self.tl.event("landed", st.req_id, ok=ok, left=handle.pending())
             if ok:
                 self.holds.hold(st, [key])
 
@@ -301,6 +306,11 @@ class SchedulerSide:
         if self.s.load_policy == "never":
             return 0, False
         plan = self._reach(st, num_computed_tokens)
+        if self.tl:
+            self.tl.event("reached", st.req_id, phase=str(st.phase), computed=num_computed_tokens,
+                          plan=None if plan is None else [plan.first, plan.load, plan.is_async, plan.below_dram],
+                          skipped=st.skipped_slower, disk_bps=self.cost.disk_bps.value,
+                          tps=self.cost.prefill_tps.value, outstanding=self.disk_meter.outstanding)  # fmt: skip
         if plan is None:
             self.holds.set_phase(st, Phase.RECOMPUTED)
             return 0, False
@@ -448,6 +458,8 @@ class SchedulerSide:
                     self.rank_counters.inc(r, "prefetched_chunks", plan.below_dram)
                 self._start_reads(st, st.flat_keys(first, k))
         # (sync mode: the worker reads what is still below DRAM inside the step, joining reads in flight)
+        self.tl.event("alloc", st.req_id, ext=num_external_tokens, chunks=k - first,
+                      in_flight=self._reads_in_flight(st))  # fmt: skip
         if plan.is_async:
             job.awaits_prefetch = self._reads_in_flight(st)
             st.load = job
@@ -472,6 +484,7 @@ class SchedulerSide:
             if st.load is not None and not st.load_settled and (st.prefetch is None or not st.prefetch.pending()):
                 st.load_settled = True
                 meta.settled.append(st.req_id)
+                self.tl.event("settled", st.req_id)
         meta.cancel_loads, self._cancel_loads = self._cancel_loads, []
         if self.s.save:
             self._plan_saves(scheduler_output, meta)
@@ -554,6 +567,7 @@ class SchedulerSide:
             self.rank_counters.merge(wm.ranks)
         for rid in getattr(output, "finished_recving", None) or ():
             st = self.reqs.get(rid)
+            self.tl.event("recv_done", rid)
             if st is not None and st.phase is Phase.LOADING:
                 st.load = None
                 self.holds.set_phase(st, Phase.DONE)
@@ -578,6 +592,7 @@ class SchedulerSide:
     # ---- the end --------------------------------------------------------------------------------------------
     def request_finished(self, request: Any) -> bool:
         self._running.discard(request.request_id)
+        self.tl.event("finished", request.request_id)
         st = self.reqs.pop(request.request_id, None)
         if st is None:
             return False
