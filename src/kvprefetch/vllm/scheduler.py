@@ -26,7 +26,8 @@ DRAM are *held* there (`DramHolds`: one pin per chunk and request, one budget: h
 requests ahead of it and their saves do not evict them before it is served; leaving those phases releases them.
 
 What happens when the scheduler reaches a request whose chunks are not all in DRAM (its prefetch is late, was
-evicted, or never ran) is decided in one place: `SchedulerSide.serve_late`.
+evicted, or never ran) is decided in one place: `SchedulerSide.serve_late`. A step with nothing to run while
+requests are parked waits for their next read to land (`SchedulerSide._wait_parked`) instead of spinning.
 
 Saves are orthogonal to the phases: ``build_connector_meta`` saves every whole chunk a step completes (prompt
 and generated tokens), and ``request_finished`` holds the blocks (True) only while a save may still read them.
@@ -53,6 +54,9 @@ if TYPE_CHECKING:
 
 _DRAM = "dram"  # `Tier.DRAM`'s value (a StrEnum: equal to it), without importing the store here
 PROBE_CHUNKS = 4  # chunks a disk probe reads: the disk meter's sample (`TierMeter.sample_ops`)
+# Longest an empty step waits, blocked, for a parked request's next read to land (`SchedulerSide._wait_parked`):
+# a request that arrives meanwhile is scheduled at most this much later.
+PARKED_WAIT_S = 0.05
 
 
 class Phase(StrEnum):
@@ -223,6 +227,8 @@ class SchedulerSide:
         # Throughput of the reads this process drives (prefetches); the workers report their own demand reads.
         self.disk_meter = TierMeter(self.cost.observe_disk, clock=clock)
         self.holds = DramHolds(store, int(settings.store.dram.capacity_bytes) // max(chunk_bytes, 1) // 2)
+        self._landed = threading.Condition()  # notified as each read of `_start_reads` lands (`_wait_parked`)
+        self._landings = 0
         self.tl = timeline()
 
     # ---- keys and lookup ------------------------------------------------------------------------------------
@@ -277,6 +283,9 @@ class SchedulerSide:
             self.tl.event("landed", st.req_id, ok=ok, left=handle.pending())
             if ok:
                 self.holds.hold(st, [key])
+            with self._landed:
+                self._landings += 1
+                self._landed.notify_all()
 
         handle.on_ready(landed)
 
@@ -472,6 +481,7 @@ class SchedulerSide:
 
     # ---- each step ------------------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVPrefetchMetadata:
+        self._wait_parked(scheduler_output)
         # Last step's synchronous loads have run: their holds can go. Those planned since run in this step.
         for st in self._sync_running:
             if st.phase is Phase.LOADING:
@@ -501,6 +511,33 @@ class SchedulerSide:
         self._last_step_tokens = meta.step_tokens
         self._running = set(getattr(scheduler_output, "num_scheduled_tokens", None) or ())
         return meta
+
+    def _wait_parked(self, so: Any) -> None:
+        """A step with nothing in it while requests are parked on their reads: wait here, blocked, until the
+        next read lands (at most `PARKED_WAIT_S`), rather than return an empty step at once.
+
+        vLLM steps again at once after an empty step, and its engine core waits for the workers' reply to each
+        step by spinning (`sched_yield`, for a second after the last reply), so with only parked requests it
+        spun on its core until their reads were done. That is the host core the connector's reads run on: the
+        spin took it from the kernel's worker that dispatches throttled reads (issue 48: reads stalled for
+        tens of seconds, `workqueue lockup` with `blk_throtl_dispatch_work_fn` pending) and from the I/O
+        threads. Blocked here, the engine core sleeps until what the parked requests wait for has moved.
+        """
+        if int(getattr(so, "total_num_scheduled_tokens", 0) or 0) > 0 or self._new_loads or self._cancel_loads \
+                or self._await_saves:
+            return  # the step has work for the workers
+        parked = [st for st in self.reqs.values() if st.load is not None]
+        if not parked or any(not st.load_settled and not self._reads_pending(st) for st in parked):
+            return  # nothing parked, or a load to settle in this step
+        # (a settled load with no read here left is the workers': their copies, or reads of their own, which
+        # this process does not see land; the wait then ends at the cap, and the workers report it next step)
+        with self._landed:
+            seen = self._landings
+            self._landed.wait_for(lambda: self._landings != seen, timeout=PARKED_WAIT_S)
+
+    @staticmethod
+    def _reads_pending(st: _Req) -> bool:
+        return st.prefetch is not None and st.prefetch.pending() > 0
 
     def _plan_saves(self, so: Any, meta: KVPrefetchMetadata) -> None:
         progress: list[tuple[str, int]] = []

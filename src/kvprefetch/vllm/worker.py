@@ -16,8 +16,10 @@ part of every chunk, under its rank's keys (``job.keys[rank]``).
   here on demand (joining a read in flight in another process rather than reading twice).
 * Saves run after the forward on a saver thread: copy the chunk's pages out of the blocks (the only moment the
   blocks are needed), then ``store.put`` (DRAM now, disk write-back asynchronously).
-* An engine with nothing to compute but loads in flight would spin through empty steps; an empty step waits
-  (a few ms at most) for an async load to finish instead, which frees the CPU for the reads.
+* An engine with nothing to compute but loads in flight would spin through empty steps: the scheduler's half
+  holds such a step until the next read lands (`SchedulerSide._wait_parked`: vLLM's engine core spins while it
+  waits for a worker's reply, so only a wait there frees its core), and the worker waits a few ms at most for
+  an async load to finish, so that the step reports it.
 * A chunk that fails to load is a miss: its blocks go to ``get_block_ids_with_load_errors`` and vLLM
   recomputes them. Each failure cause is logged once.
 """
@@ -312,8 +314,9 @@ class Loader(_RankPart):
         return True
 
     def idle_wait(self) -> None:
-        """An empty step (nothing to compute): rather than let the engine spin, wait briefly for an async load
-        to finish, so the reads get the CPU and the waiting request is reported at once."""
+        """An empty step (nothing to compute): wait briefly for an async load to finish, so that the step reports
+        it at once. (Short: vLLM's engine core spins while it waits for this reply; the scheduler's half does the
+        long wait, `SchedulerSide._wait_parked`.)"""
         with self._cv:
             if self._inflight and not self._done_recv:
                 self._cv.wait(IDLE_WAIT_S)
