@@ -393,6 +393,43 @@ def test_an_empty_step_with_requests_parked_on_their_reads_waits_for_them_instea
     assert 1.0 <= time.monotonic() - t0 < 3.0
 
 
+def test_a_step_whose_in_step_load_joins_reads_in_flight_waits_for_them_before_the_workers_start_it():
+    """Issue 48: the workers' in-step wait for a late prefetch's reads left vLLM's engine core spinning on its core
+    (reads stalled about 1 s a step); the scheduler waits for them, blocked, before it hands the step over."""
+    import threading
+
+    side, store, keyer, _ = make_scheduler(load_mode="auto")
+    side.cost.observe_prefill(256, 0.5)  # a slow engine: loading always pays
+    side.cost.observe_disk(10_000, 0.01)
+    toks = list(range(1100))
+    keys = keyer.keys(toks)
+    for k in keys[:3]:
+        store.tiers[k] = "disk"
+    r = req(toks)
+    side.on_new_request(r)  # the prefetch starts, and stays in flight until the test lands it
+    assert side.get_num_new_matched_tokens(r, 0) == (768, False), "idle engine: the late prefetch ends in the step"
+    side.update_state_after_alloc(r, list(range(100, 109)), 768)
+    handle = store.handles[0]
+    landed_at = []
+
+    def reads():
+        for k in keys[:3]:
+            time.sleep(0.1)
+            landed_at.append(time.monotonic())
+            handle.land(k)
+
+    step = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+                           num_scheduled_tokens={r.request_id: 332}, total_num_scheduled_tokens=332)
+    reader = threading.Thread(target=reads)
+    reader.start()
+    meta = side.build_connector_meta(step)
+    returned, pending = time.monotonic(), handle.pending()
+    reader.join()
+    assert len(meta.loads) == 1 and not meta.loads[0].is_async
+    assert pending == 0, "the workers get the step once its reads are in DRAM"
+    assert 0 <= returned - landed_at[-1] < 0.5
+
+
 def test_scheduler_sync_mode_loads_disk_hits_inside_the_step():
     side, store, keyer, _ = make_scheduler(prefetch=False, load_mode="sync")
     toks = list(range(1100))

@@ -27,7 +27,9 @@ requests ahead of it and their saves do not evict them before it is served; leav
 
 What happens when the scheduler reaches a request whose chunks are not all in DRAM (its prefetch is late, was
 evicted, or never ran) is decided in one place: `SchedulerSide.serve_late`. A step with nothing to run while
-requests are parked waits for their next read to land (`SchedulerSide._wait_parked`) instead of spinning.
+requests are parked waits for their next read to land, and a step whose in-step loads join reads still in flight
+waits for those reads before the workers start it (`SchedulerSide._wait_for_reads`): vLLM's engine core spins
+while the workers run a step, on the core the reads need.
 
 Saves are orthogonal to the phases: ``build_connector_meta`` saves every whole chunk a step completes (prompt
 and generated tokens), and ``request_finished`` holds the blocks (True) only while a save may still read them.
@@ -481,7 +483,7 @@ class SchedulerSide:
 
     # ---- each step ------------------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVPrefetchMetadata:
-        self._wait_parked(scheduler_output)
+        self._wait_for_reads(scheduler_output)
         # Last step's synchronous loads have run: their holds can go. Those planned since run in this step.
         for st in self._sync_running:
             if st.phase is Phase.LOADING:
@@ -511,6 +513,22 @@ class SchedulerSide:
         self._last_step_tokens = meta.step_tokens
         self._running = set(getattr(scheduler_output, "num_scheduled_tokens", None) or ())
         return meta
+
+    def _wait_for_reads(self, so: Any) -> None:
+        """Wait here, blocked, for the reads the step about to go to the workers would wait for while vLLM's
+        engine core spins (`_wait_parked` says why that spin stalls them): those of its in-step loads that joined
+        reads in flight in this process (a late prefetch finished in the step), until they have landed (at most
+        ``io.join_timeout_s``, as long as a worker waits for another process's read); else, on a step with nothing
+        in it, the next read of a parked request (`_wait_parked`). The batch waits as long as it would have inside
+        the step (the forward waits for every staged chunk before its first layer), but the engine core sleeps.
+        """
+        in_step = [st for st in self._sync_planned if self._reads_pending(st)]
+        if in_step:
+            with self._landed:
+                self._landed.wait_for(lambda: not any(self._reads_pending(st) for st in in_step),
+                                      timeout=self.s.store.io.join_timeout_s)  # fmt: skip
+            return
+        self._wait_parked(so)
 
     def _wait_parked(self, so: Any) -> None:
         """A step with nothing in it while requests are parked on their reads: wait here, blocked, until the
