@@ -104,6 +104,23 @@ def test_rounds_give_medians_with_their_range_and_paired_verdicts():
     assert "| prefetch | 16 | 10 | 0.700 | 0.600-1.200 |" in "\n".join(markdown_table(list(rows.values())))
 
 
+def test_a_cell_whose_rounds_are_more_than_2x_apart_is_listed_round_by_round():
+    """Issue 48: ondemand's rounds at c=16 were 1.51 and 20.34 s; the table showed a median and a range only."""
+    from kvprefetch.bench.rounds import aggregate
+
+    runs = (_rounds("ondemand-sync", 16, [2.23, 2.43], [10.0, 9.0]) + _rounds("ondemand", 16, [1.51, 20.34],
+            [12.0, 1.5]) + _rounds("prefetch", 16, [1.38, 1.67], [13.0, 12.0]))  # fmt: skip
+    runs[3]["foreign_cpu_cores"] = 0.9
+    rows = json.loads(json.dumps(aggregate(runs)))  # as a report rebuilt from results.json reads them
+    md = markdown_report(_results() | {"rows": rows, "runs": runs})
+    section = md.split("## Cells whose rounds are more than 2x apart")[1].split("## ")[0]
+    assert "| 10.0 | ondemand | 16 | TTFT p50, throughput | 1 | 1.510 | 3.020 | 12.0 | 80% | - |" in section
+    assert "| 10.0 | ondemand | 16 | TTFT p50, throughput | 2 | 20.340 | 40.680 | 1.5 | 80% | 0.90 |" in section
+    assert "prefetch" not in section and "ondemand-sync" not in section  # within 2x: not flagged
+    steady = [r for r in rows if r["mode"] != "ondemand"]
+    assert "rounds are more than" not in markdown_report(_results() | {"rows": steady})
+
+
 def test_markdown_report_has_tables_regime_whitepaper_and_missing_modes():
     md = markdown_report(_results())
     assert "| prefetch | 8 | 10 | 2.000 |" in md

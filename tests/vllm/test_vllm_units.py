@@ -228,19 +228,27 @@ class FakeHandle:
     def __init__(self, reads):
         self.reads = list(reads)
         self.finished = False
+        self.landed: list[bytes] = []
+        self.callbacks = []
 
     @property
     def num_reads(self):
         return len(self.reads)
 
     def pending(self):
-        return 0 if self.finished else len(self.reads)
+        return 0 if self.finished else len(self.reads) - len(self.landed)
 
     def cancel(self, keys=None):
         return 0 if self.finished else len(self.reads if keys is None else [k for k in keys if k in self.reads])
 
     def on_ready(self, callback):
-        pass
+        self.callbacks.append(callback)
+
+    def land(self, key):
+        """One read finishes (as an I/O thread reports it)."""
+        self.landed.append(key)
+        for callback in self.callbacks:
+            callback(key, True)
 
     def wait(self, timeout=None):
         return self.finished
@@ -332,6 +340,100 @@ def test_scheduler_prefetches_on_arrival_and_loads_async_until_in_dram():
     meta = side.build_connector_meta(so)
     assert meta.loads == [] and meta.settled == [r.request_id]  # ... and learns when the reads are over
     assert side.build_connector_meta(so).settled == []  # once
+
+
+def test_an_empty_step_with_requests_parked_on_their_reads_waits_for_them_instead_of_spinning(monkeypatch):
+    """Issue 48: vLLM steps again at once after an empty step and spins on its core waiting for each step's
+    reply, so an engine whose requests were all parked spun until their reads were done, on the core the reads
+    need (slow reads stalled 10-200 s). Each empty step now sleeps until the next read lands."""
+    import threading
+
+    from kvprefetch.vllm import scheduler
+
+    monkeypatch.setattr(scheduler, "PARKED_WAIT_S", 1.0)  # the cap, long enough to tell a wait from none here
+    side, store, keyer, _ = make_scheduler(prefetch=False)  # ondemand: the reads start when the request parks
+    toks = list(range(1100))
+    keys = keyer.keys(toks)
+    for k in keys[:3]:
+        store.tiers[k] = "disk"
+    r = req(toks)
+    side.on_new_request(r)
+    assert side.get_num_new_matched_tokens(r, 0) == (768, True)
+    side.update_state_after_alloc(r, list(range(100, 109)), 768)
+    empty = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+                            num_scheduled_tokens={}, total_num_scheduled_tokens=0)
+    t0 = time.monotonic()
+    assert len(side.build_connector_meta(empty).loads) == 1
+    assert time.monotonic() - t0 < 0.5, "the step that hands the job over does not wait"
+    handle = store.handles[0]
+    landed_at = []
+
+    def reads():  # (an I/O thread) one read lands every 0.1 s
+        for k in keys[:3]:
+            time.sleep(0.1)
+            landed_at.append(time.monotonic())
+            handle.land(k)
+
+    reader = threading.Thread(target=reads)
+    reader.start()
+    steps, settled = 0, []
+    while not settled and time.monotonic() - t0 < 5.0:  # vLLM's loop while every request it has is parked
+        settled = side.build_connector_meta(empty).settled
+        steps += 1
+    reader.join()
+    assert steps <= 3 * 2 + 2, f"{steps} empty steps for 3 reads in 0.3 s: the engine spun"
+    assert settled == [r.request_id]
+    assert time.monotonic() - landed_at[-1] < 0.5, "settled as the last read landed, not at the cap"
+    side.update_connector_output(SimpleNamespace(finished_recving={r.request_id}))  # the worker copied them
+    t0 = time.monotonic()
+    side.build_connector_meta(empty)
+    assert time.monotonic() - t0 < 0.5, "nothing parked: nothing to wait for"
+    # A parked request whose reads do not move costs each empty step the cap, never a hang
+    r2 = req(toks)
+    side.on_new_request(r2)
+    assert side.get_num_new_matched_tokens(r2, 0)[1]
+    side.update_state_after_alloc(r2, list(range(200, 209)), 768)
+    side.build_connector_meta(empty)
+    t0 = time.monotonic()
+    assert side.build_connector_meta(empty).settled == []
+    assert 1.0 <= time.monotonic() - t0 < 3.0
+
+
+def test_a_step_whose_in_step_load_joins_reads_in_flight_waits_for_them_before_the_workers_start_it():
+    """Issue 48: the workers' in-step wait for a late prefetch's reads left vLLM's engine core spinning on its core
+    (reads stalled about 1 s a step); the scheduler waits for them, blocked, before it hands the step over."""
+    import threading
+
+    side, store, keyer, _ = make_scheduler(load_mode="auto")
+    side.cost.observe_prefill(256, 0.5)  # a slow engine: loading always pays
+    side.cost.observe_disk(10_000, 0.01)
+    toks = list(range(1100))
+    keys = keyer.keys(toks)
+    for k in keys[:3]:
+        store.tiers[k] = "disk"
+    r = req(toks)
+    side.on_new_request(r)  # the prefetch starts, and stays in flight until the test lands it
+    assert side.get_num_new_matched_tokens(r, 0) == (768, False), "idle engine: the late prefetch ends in the step"
+    side.update_state_after_alloc(r, list(range(100, 109)), 768)
+    handle = store.handles[0]
+    landed_at = []
+
+    def reads():
+        for k in keys[:3]:
+            time.sleep(0.1)
+            landed_at.append(time.monotonic())
+            handle.land(k)
+
+    step = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+                           num_scheduled_tokens={r.request_id: 332}, total_num_scheduled_tokens=332)
+    reader = threading.Thread(target=reads)
+    reader.start()
+    meta = side.build_connector_meta(step)
+    returned, pending = time.monotonic(), handle.pending()
+    reader.join()
+    assert len(meta.loads) == 1 and not meta.loads[0].is_async
+    assert pending == 0, "the workers get the step once its reads are in DRAM"
+    assert 0 <= returned - landed_at[-1] < 0.5
 
 
 def test_scheduler_sync_mode_loads_disk_hits_inside_the_step():

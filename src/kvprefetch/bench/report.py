@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvprefetch.bench.modes import known_failure
-from kvprefetch.bench.rounds import paired
+from kvprefetch.bench.rounds import UNSTEADY_RATIO, paired, unsteady
 from kvprefetch.bench.stats import ratio
 
 WHITEPAPER = {
@@ -343,6 +343,7 @@ def markdown_report(results: dict) -> str:
               "did not get). `other CPU`: "
               "cores other processes kept busy during the cell (this machine is shared; timings with a large value "
               "are disturbed).", ""]  # fmt: skip
+    lines += unsteady_lines(rows)
     lines += _rank_lines(rows)
     comp = comparisons(rows)
     if comp:
@@ -417,6 +418,28 @@ def _sweep_lines(points: list[dict]) -> list[str]:
                "queued level in the sweep's largest R, so it pays from no R on up.")  # fmt: skip
     lines += ["", verdict, "", "![regime sweep](regime_sweep.png)", ""]
     return lines
+
+
+def unsteady_lines(rows: list[dict]) -> list[str]:
+    """Every flagged cell (`rounds.unsteady`: rounds more than 2x apart) with each round's values: a median and a
+    min-max range say that the rounds disagree, not which round went wrong or what else it measured then."""
+    cells = [(r, keys) for r in _ok(rows) if (keys := unsteady(r))]
+    if not cells:
+        return []
+    lines = [f"## Cells whose rounds are more than {UNSTEADY_RATIO:g}x apart", "",
+             "Each round of the flagged cells (noise moves a cell by about 25% here; a round this far from its "
+             "sibling is an event of that round). `other CPU`: cores other processes kept busy in that round.", "",
+             "| regime | mode | conc | apart in | round | TTFT p50 s | p90 s | out tok/s | hit | other CPU |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for row, keys in cells:
+        by = row.get("by_round", {})
+        apart = ", ".join("TTFT p50" if k == "ttft_p50_s" else "throughput" for k in keys)
+        for k in sorted(by.get("ttft_p50_s", {})):
+            vals = [fmt(by.get(key, {}).get(k), f) for key, f in (("ttft_p50_s", ".3f"), ("ttft_p90_s", ".3f"),
+                    ("output_tok_s", ".1f"), ("hit_ratio", "%"), ("foreign_cpu_cores", ".2f"))]  # fmt: skip
+            lines.append(f"| {row.get('regime')} | {row['mode']} | {row['concurrency']} | {apart} | {int(k) + 1} | "
+                         + " | ".join(vals) + " |")
+    return [*lines, ""]
 
 
 def _rank_lines(rows: list[dict]) -> list[str]:

@@ -17,6 +17,12 @@ from typing import Any
 
 SPREAD_KEYS = ("ttft_p50_s", "ttft_p90_s", "itl_p50_s", "output_tok_s")
 """The figures a row reports with their min-max over the rounds, and per round (``by_round``)."""
+ROUND_KEYS = (*SPREAD_KEYS, "hit_ratio", "foreign_cpu_cores")  # per round too: what a flagged cell's rounds say
+UNSTEADY_KEYS = ("ttft_p50_s", "output_tok_s")
+UNSTEADY_RATIO = 2.0
+"""A cell whose rounds are further apart than this in one of `UNSTEADY_KEYS` is flagged (`unsteady`): noise here
+moves a cell by about 25%, so a round 2x its sibling is something that happened in that round (issue 48: an
+8x round hid behind a median and a min-max range)."""
 SAMPLE_KEYS = ("ttft_samples_s",)  # per-request samples: every round's, pooled
 IDENTITY_KEYS = ("mode", "concurrency", "regime", "workload", "status")  # what a cell is, not what it measured
 
@@ -54,11 +60,21 @@ def _merge(rounds: list[dict]) -> dict:
         vals = [r[key] for r in ok if r.get(key) is not None]
         if vals:
             row[f"{key}_min"], row[f"{key}_max"] = min(vals), max(vals)
-    row["by_round"] = {key: {r.get("round", 0): r.get(key) for r in ok} for key in SPREAD_KEYS}
+    row["by_round"] = {key: {r.get("round", 0): r.get(key) for r in ok} for key in ROUND_KEYS}
     row["repeats"] = len(ok)
     if len(ok) < len(rounds):
         row["failed_rounds"] = len(rounds) - len(ok)
     return row
+
+
+def unsteady(row: dict) -> list[str]:
+    """The `UNSTEADY_KEYS` whose rounds are more than `UNSTEADY_RATIO` apart in this cell (max / min)."""
+    out = []
+    for key in UNSTEADY_KEYS:
+        vals = [v for v in row.get("by_round", {}).get(key, {}).values() if isinstance(v, int | float)]
+        if len(vals) > 1 and min(vals) > 0 and max(vals) / min(vals) > UNSTEADY_RATIO:
+            out.append(key)
+    return out
 
 
 def paired(a: dict, b: dict, key: str) -> dict | None:

@@ -26,7 +26,10 @@ DRAM are *held* there (`DramHolds`: one pin per chunk and request, one budget: h
 requests ahead of it and their saves do not evict them before it is served; leaving those phases releases them.
 
 What happens when the scheduler reaches a request whose chunks are not all in DRAM (its prefetch is late, was
-evicted, or never ran) is decided in one place: `SchedulerSide.serve_late`.
+evicted, or never ran) is decided in one place: `SchedulerSide.serve_late`. A step with nothing to run while
+requests are parked waits for their next read to land, and a step whose in-step loads join reads still in flight
+waits for those reads before the workers start it (`SchedulerSide._wait_for_reads`): vLLM's engine core spins
+while the workers run a step, on the core the reads need.
 
 Saves are orthogonal to the phases: ``build_connector_meta`` saves every whole chunk a step completes (prompt
 and generated tokens), and ``request_finished`` holds the blocks (True) only while a save may still read them.
@@ -48,6 +51,7 @@ from kvprefetch.vllm.leases import Lease, Leases
 from kvprefetch.vllm.metadata import KVPrefetchMetadata, KVPrefetchWorkerMeta, LoadJob, SaveJob
 from kvprefetch.vllm.metrics import ConnectorCounters, RankCounters, hit_counter
 from kvprefetch.vllm.settings import ConnectorSettings, LoadMode
+from kvprefetch.vllm.timeline import timeline
 
 if TYPE_CHECKING:
     from kvprefetch.store import PrefetchHandle, TieredStore
@@ -55,6 +59,9 @@ if TYPE_CHECKING:
 _DRAM = "dram"  # `Tier.DRAM`'s value (a StrEnum: equal to it), without importing the store here
 PROBE_CHUNKS = 4  # chunks a disk probe reads: the disk meter's sample (`TierMeter.sample_ops`)
 JOIN_WAIT_PRIOR_S = 0.5  # the longest wait for a save in flight until the prefill rate is measured
+# Longest an empty step waits, blocked, for a parked request's next read to land (`SchedulerSide._wait_parked`):
+# a request that arrives meanwhile is scheduled at most this much later.
+PARKED_WAIT_S = 0.05
 
 
 class Phase(StrEnum):
@@ -231,6 +238,9 @@ class SchedulerSide:
         self.leases = Leases(store, int(slots * settings.lease_budget_share), counters.inc, clock)
         self._saving: dict[bytes, float] = {}  # keys of save jobs in flight -> (clock) until when to wait for them
         self._save_keys: dict[int, list[bytes]] = {}  # save job id -> its keys (every rank's)
+        self._landed = threading.Condition()  # notified as each read of `_start_reads` lands (`_wait_parked`)
+        self._landings = 0
+        self.tl = timeline()
 
     # ---- keys and lookup ------------------------------------------------------------------------------------
     def _keys(self, st: _Req, num_tokens: int) -> int:
@@ -263,6 +273,7 @@ class SchedulerSide:
         if not n:
             return
         hit = self._lookup(st, n)
+        self.tl.event("arrived", st.req_id, hit=hit.num_chunks, below=hit.below_dram(0, hit.num_chunks))
         # What is in DRAM already is held there too, or the requests ahead of it may evict it before it is served.
         m = hit.num_chunks
         self.holds.hold(st, [st.keys[r][i] for r in range(self.tp_size) for i in range(m) if hit.tiers[r][i] == _DRAM])
@@ -278,11 +289,16 @@ class SchedulerSide:
         handle = st.prefetch = self.store.prefetch(keys)
         self.counters.inc("prefetched_chunks", handle.num_reads)
         self.disk_meter.started(handle.num_reads)
+        self.tl.event("reads", st.req_id, n=handle.num_reads, queued=self.disk_meter.outstanding)
 
         def landed(key: bytes, ok: bool) -> None:  # (I/O thread)
             self.disk_meter.completed(ok, self.chunk_bytes)
+            self.tl.event("landed", st.req_id, ok=ok, left=handle.pending())
             if ok:
                 self.holds.hold(st, [key])
+            with self._landed:
+                self._landings += 1
+                self._landed.notify_all()
 
         handle.on_ready(landed)
 
@@ -317,6 +333,11 @@ class SchedulerSide:
         if hit is not None and self._joins_save(st, hit, n):
             return None, False  # vLLM asks again next step
         plan = self._reach(st, hit, num_computed_tokens)
+        if self.tl:
+            self.tl.event("reached", st.req_id, phase=str(st.phase), computed=num_computed_tokens,
+                          plan=None if plan is None else [plan.first, plan.load, plan.is_async, plan.below_dram],
+                          skipped=st.skipped_slower, disk_bps=self.cost.disk_bps.value,
+                          tps=self.cost.prefill_tps.value, outstanding=self.disk_meter.outstanding)  # fmt: skip
         if plan is None:
             self.holds.set_phase(st, Phase.RECOMPUTED)
             return 0, False
@@ -484,6 +505,8 @@ class SchedulerSide:
                     self.rank_counters.inc(r, "prefetched_chunks", plan.below_dram)
                 self._start_reads(st, st.flat_keys(first, k))
         # (sync mode: the worker reads what is still below DRAM inside the step, joining reads in flight)
+        self.tl.event("alloc", st.req_id, ext=num_external_tokens, chunks=k - first,
+                      in_flight=self._reads_in_flight(st))  # fmt: skip
         if plan.is_async:
             job.awaits_prefetch = self._reads_in_flight(st)
             st.load = job
@@ -496,6 +519,7 @@ class SchedulerSide:
 
     # ---- each step ------------------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVPrefetchMetadata:
+        self._wait_for_reads(scheduler_output)
         # Last step's synchronous loads have run: their holds can go. Those planned since run in this step.
         for st in self._sync_running:
             if st.phase is Phase.LOADING:
@@ -510,6 +534,7 @@ class SchedulerSide:
             if st.load is not None and not st.load_settled and (st.prefetch is None or not st.prefetch.pending()):
                 st.load_settled = True
                 meta.settled.append(st.req_id)
+                self.tl.event("settled", st.req_id)
         meta.cancel_loads, self._cancel_loads = self._cancel_loads, []
         if self.s.save:
             self._plan_saves(scheduler_output, meta)
@@ -526,6 +551,49 @@ class SchedulerSide:
         self._last_step_tokens = meta.step_tokens
         self._running = set(getattr(scheduler_output, "num_scheduled_tokens", None) or ())
         return meta
+
+    def _wait_for_reads(self, so: Any) -> None:
+        """Wait here, blocked, for the reads the step about to go to the workers would wait for while vLLM's
+        engine core spins (`_wait_parked` says why that spin stalls them): those of its in-step loads that joined
+        reads in flight in this process (a late prefetch finished in the step), until they have landed (at most
+        ``io.join_timeout_s``, as long as a worker waits for another process's read); else, on a step with nothing
+        in it, the next read of a parked request (`_wait_parked`). The batch waits as long as it would have inside
+        the step (the forward waits for every staged chunk before its first layer), but the engine core sleeps.
+        """
+        in_step = [st for st in self._sync_planned if self._reads_pending(st)]
+        if in_step:
+            with self._landed:
+                self._landed.wait_for(lambda: not any(self._reads_pending(st) for st in in_step),
+                                      timeout=self.s.store.io.join_timeout_s)  # fmt: skip
+            return
+        self._wait_parked(so)
+
+    def _wait_parked(self, so: Any) -> None:
+        """A step with nothing in it while requests are parked on their reads: wait here, blocked, until the
+        next read lands (at most `PARKED_WAIT_S`), rather than return an empty step at once.
+
+        vLLM steps again at once after an empty step, and its engine core waits for the workers' reply to each
+        step by spinning (`sched_yield`, for a second after the last reply), so with only parked requests it
+        spun on its core until their reads were done. That is the host core the connector's reads run on: the
+        spin took it from the kernel's worker that dispatches throttled reads (issue 48: reads stalled for
+        tens of seconds, `workqueue lockup` with `blk_throtl_dispatch_work_fn` pending) and from the I/O
+        threads. Blocked here, the engine core sleeps until what the parked requests wait for has moved.
+        """
+        if int(getattr(so, "total_num_scheduled_tokens", 0) or 0) > 0 or self._new_loads or self._cancel_loads \
+                or self._await_saves:
+            return  # the step has work for the workers
+        parked = [st for st in self.reqs.values() if st.load is not None]
+        if not parked or any(not st.load_settled and not self._reads_pending(st) for st in parked):
+            return  # nothing parked, or a load to settle in this step
+        # (a settled load with no read here left is the workers': their copies, or reads of their own, which
+        # this process does not see land; the wait then ends at the cap, and the workers report it next step)
+        with self._landed:
+            seen = self._landings
+            self._landed.wait_for(lambda: self._landings != seen, timeout=PARKED_WAIT_S)
+
+    @staticmethod
+    def _reads_pending(st: _Req) -> bool:
+        return st.prefetch is not None and st.prefetch.pending() > 0
 
     def _plan_saves(self, so: Any, meta: KVPrefetchMetadata) -> None:
         progress: list[tuple[str, int]] = []
@@ -599,6 +667,7 @@ class SchedulerSide:
                 self.leases.retry_pins()  # leases on finish wait for their request's last saves
         for rid in getattr(output, "finished_recving", None) or ():
             st = self.reqs.get(rid)
+            self.tl.event("recv_done", rid)
             if st is not None and st.phase is Phase.LOADING:
                 st.load = None
                 self.holds.set_phase(st, Phase.DONE)
@@ -623,6 +692,7 @@ class SchedulerSide:
     # ---- the end --------------------------------------------------------------------------------------------
     def request_finished(self, request: Any) -> bool:
         self._running.discard(request.request_id)
+        self.tl.event("finished", request.request_id)
         st = self.reqs.pop(request.request_id, None)
         if st is None:
             return False

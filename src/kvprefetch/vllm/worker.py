@@ -16,8 +16,10 @@ part of every chunk, under its rank's keys (``job.keys[rank]``).
   here on demand (joining a read in flight in another process rather than reading twice).
 * Saves run after the forward on a saver thread: copy the chunk's pages out of the blocks (the only moment the
   blocks are needed), then ``store.put`` (DRAM now, disk write-back asynchronously).
-* An engine with nothing to compute but loads in flight would spin through empty steps; an empty step waits
-  (a few ms at most) for an async load to finish instead, which frees the CPU for the reads.
+* An engine with nothing to compute but loads in flight would spin through empty steps: the scheduler's half
+  holds such a step until the next read lands (`SchedulerSide._wait_parked`: vLLM's engine core spins while it
+  waits for a worker's reply, so only a wait there frees its core), and the worker waits a few ms at most for
+  an async load to finish, so that the step reports it.
 * A chunk that fails to load is a miss: its blocks go to ``get_block_ids_with_load_errors`` and vLLM
   recomputes them. Each failure cause is logged once.
 """
@@ -38,6 +40,7 @@ from kvprefetch.io.affinity import pin_thread, pinned_initializer
 from kvprefetch.vllm.layout import ChunkGeometry, PagedKV, chunk_tensor
 from kvprefetch.vllm.metadata import KVPrefetchMetadata, KVPrefetchWorkerMeta, LoadJob, SaveJob
 from kvprefetch.vllm.metrics import ConnectorCounters
+from kvprefetch.vllm.timeline import timeline
 
 if TYPE_CHECKING:
     from kvprefetch.store import TieredStore
@@ -221,6 +224,7 @@ class Loader(_RankPart):
         self._cancelled: set[str] = set()
         self._active: set[str] = set()  # requests with an async load on this worker
         self._started: KVPrefetchMetadata | None = None
+        self.tl = timeline()
 
     # ---- reading chunks -------------------------------------------------------------------------------------
     def sources(self, job: LoadJob, stack: contextlib.ExitStack, stage: torch.Tensor) -> list[torch.Tensor]:
@@ -271,6 +275,7 @@ class Loader(_RankPart):
                     self._inflight += 1
                     self._active.add(job.req_id)
                 self._pool.submit(self._async_load, job)
+                self.tl.event("job_queued", job.req_id, chunks=job.num_chunks, awaits=job.awaits_prefetch)
         if meta.settled or meta.cancel_loads:
             with self._cv:
                 self._settled.update(r for r in meta.settled if r in self._active)
@@ -309,8 +314,9 @@ class Loader(_RankPart):
         return True
 
     def idle_wait(self) -> None:
-        """An empty step (nothing to compute): rather than let the engine spin, wait briefly for an async load
-        to finish, so the reads get the CPU and the waiting request is reported at once."""
+        """An empty step (nothing to compute): wait briefly for an async load to finish, so that the step reports
+        it at once. (Short: vLLM's engine core spins while it waits for this reply; the scheduler's half does the
+        long wait, `SchedulerSide._wait_parked`.)"""
         with self._cv:
             if self._inflight and not self._done_recv:
                 self._cv.wait(IDLE_WAIT_S)
@@ -319,6 +325,7 @@ class Loader(_RankPart):
         """Copy each chunk into the engine as soon as it is in DRAM, in order; report the job finished."""
         errors: set[int] = set()
         rid = job.req_id
+        self.tl.event("job_start", rid)
         try:
             if not job.cancelled:
                 self.counters.inc("async_loads")
@@ -333,6 +340,7 @@ class Loader(_RankPart):
         except BaseException as e:
             self.warn(type(e).__name__, f"async load failed ({e}); recomputing")
             errors = failed_blocks(job, 0)
+        self.tl.event("job_done", rid, errors=len(errors))
         with self._cv:
             self._done_recv.append((rid, errors))
             self._settled.discard(rid)
@@ -347,6 +355,7 @@ class Loader(_RankPart):
         rid = job.req_id
         copy_s = 0.0
         for i, key in enumerate(job.keys[self.rank]):
+            t_wait = time.perf_counter()
             while True:
                 with self._lock:
                     if rid in self._cancelled:
@@ -357,15 +366,19 @@ class Loader(_RankPart):
                         t0 = time.perf_counter()
                         self._scatter_all(chunk_tensor(views[0]), job.block_ids[i])
                         copy_s += time.perf_counter() - t0
+                        self.tl.event("copied", rid, i=i, how="dram", waited=round(t0 - t_wait, 4))
                         break
                 if job.awaits_prefetch and not settled:
                     with self._cv:  # the scheduler's process is reading it: look again soon
                         self._cv.wait(POLL_S)
                     continue
                 stage = self._aload_stage.get(1)  # not coming (or evicted): read it here
+                t_read = time.perf_counter()
                 if not self._get_into([key], stage):
                     return i, copy_s
                 t0 = time.perf_counter()
+                self.tl.event("copied", rid, i=i, how="read", read_s=round(t0 - t_read, 4),
+                              waited=round(t0 - t_wait, 4))  # fmt: skip
                 self._scatter_all(stage[0], job.block_ids[i])
                 copy_s += time.perf_counter() - t0
                 break
