@@ -57,7 +57,7 @@ from kvprefetch.crashpoints import crash_point
 from kvprefetch.tiers.access import PRIVATE, FileAccess, PoolAccessError
 from kvprefetch.tiers.chunk_format import ALIGN, HEADER_BYTES, CorruptChunk, align_up, verify_image
 from kvprefetch.tiers.memory import populate
-from kvprefetch.tiers.pool_watch import ensure_watcher
+from kvprefetch.tiers.pool_watch import _LIFE, _LIFE_MAGIC, ensure_watcher, pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -142,17 +142,6 @@ def pool_directory(name: str, backing: str, pool_bytes: int) -> Path:
     return SHM_DIR
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on the node (another user's counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _open_pool_file(path: Path, access: FileAccess, create: bool = True) -> int:
     try:
         return os.open(path, os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if create else 0), access.pool_mode)
@@ -165,9 +154,7 @@ def _open_pool_file(path: Path, access: FileAccess, create: bool = True) -> int:
 # ---- lifecycle: who uses a pool, since when it is idle, and how long it is kept so -------------------------
 # The record lives in the superblock's page, clear of the superblock itself: magic, keep_idle_s (-1: forever),
 # and when the pool was last attached to or detached from (seconds since the epoch).
-_LIFE = struct.Struct("<8sdd")
-_LIFE_OFFSET = 1024
-_LIFE_MAGIC = b"KVPFLIFE"
+_LIFE_OFFSET = 1024  # (_LIFE, _LIFE_MAGIC: `pool_watch`, which reads the record without importing this module)
 # The reservation mark (see the module's invariant), in the same page: magic, when the pool was reserved (epoch s).
 _RESERVED = struct.Struct("<8sd")
 _RESERVED_OFFSET = 1024 + 64

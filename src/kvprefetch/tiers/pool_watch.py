@@ -64,11 +64,13 @@ def ensure_watcher(path: str, procs_offset: int, max_procs: int, life_offset: in
 
 
 # ---- the watcher process --------------------------------------------------------------------------------------
-_LIFE = struct.Struct("<8sdd")  # magic, keep_idle_s (-1: forever), last used (`tiers.dram`'s lifecycle record)
+# The pool's lifecycle record (`tiers.dram` writes it at `_LIFE_OFFSET`): magic, keep_idle_s (-1: forever), last used.
+_LIFE = struct.Struct("<8sdd")
 _LIFE_MAGIC = b"KVPFLIFE"
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on the node (another user's counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -88,7 +90,7 @@ class _Pool:
     def users(self, fd: int) -> list[int]:
         raw = os.pread(fd, self.max_procs * 8, self.procs_offset)
         pids = struct.unpack(f"<{len(raw) // 8}q", raw[: len(raw) // 8 * 8])
-        return [p for p in pids if p > 0 and _alive(p)]
+        return [p for p in pids if p > 0 and pid_alive(p)]
 
     def keep_idle_s(self, fd: int) -> float | None:
         raw = os.pread(fd, _LIFE.size, self.life_offset)

@@ -158,26 +158,22 @@ class Leases:
 
     def expire(self) -> int:
         now = self.clock()
-        with self._lock:
-            gone = [x for x in self._by_id.values() if x.expires_at <= now]
-            for lease in gone:
-                del self._by_id[lease.lease_id]
-        self.count("leases_expired", len(gone))
-        for lease in gone:
-            self._unpin(lease)
-        return len(gone)
+        return self._end_where(lambda x: x.expires_at <= now, "leases_expired")
 
     def release_within(self, keys: set[bytes]) -> int:
         """A request that will load keys holds them itself now: the leases all of whose keys it covers have done
         their job (the next turn arrived) and end early."""
+        return self._end_where(lambda x: bool(x.keys) and set(x.keys) <= keys, "leases_used")
+
+    def _end_where(self, ends: Callable[[Lease], bool], counter: str) -> int:
         with self._lock:
-            used = [x for x in self._by_id.values() if x.keys and set(x.keys) <= keys]
-            for lease in used:
+            gone = [x for x in self._by_id.values() if ends(x)]
+            for lease in gone:
                 del self._by_id[lease.lease_id]
-        self.count("leases_used", len(used))
-        for lease in used:
+        self.count(counter, len(gone))
+        for lease in gone:
             self._unpin(lease)
-        return len(used)
+        return len(gone)
 
     def close(self) -> None:
         with self._lock:

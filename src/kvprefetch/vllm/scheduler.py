@@ -252,7 +252,11 @@ class SchedulerSide:
         return n
 
     def _lookup(self, st: _Req, n: int) -> _Hit:
-        tiers = [self.store.lookup(keys[:n]).tiers for keys in st.keys]
+        return self._hit([keys[:n] for keys in st.keys])
+
+    def _hit(self, keys: list[list[bytes]]) -> _Hit:
+        """Look every rank's keys up: the leading chunks every rank has."""
+        tiers = [self.store.lookup(rank_keys).tiers for rank_keys in keys]
         end = min(len(t) for t in tiers)
         return _Hit([t[:end] for t in tiers])
 
@@ -741,8 +745,7 @@ class SchedulerSide:
         self.counters.inc("warm_calls")
         n = len(token_ids) // self.C
         keys = [k.keys(list(token_ids[: n * self.C])) for k in self.keyers]
-        tiers = [self.store.lookup(rank_keys).tiers for rank_keys in keys]
-        hit = _Hit([t[: min(len(x) for x in tiers)] for t in tiers])
+        hit = self._hit(keys)
         m = hit.num_chunks
         flat = [k[i] for i in range(m) for k in keys]
         lease = self.leases.grant(lease_id, "warm", flat, ttl_s, self.tp_size)
