@@ -24,6 +24,8 @@ class Mode:
     connector: the engine runs kvprefetch's connector (else vLLM alone or a peer's connector).
     prefetch / load_mode / serial: the connector's settings (`serial`: one read in flight, `io.threads` = 1).
     dram_preloaded: every reusable chunk sits in the DRAM tier before the mode runs.
+    keep_warm_s: the connector's lease on finish (a finished request's chunks kept in DRAM that long).
+    warm_calls: the client calls the warm-up API when a tool call starts (the agent workload's known prefix).
     policy: the value of the simulator's `Policy` that models the mode; None: the simulator does not replay it.
     """
 
@@ -34,6 +36,8 @@ class Mode:
     load_mode: LoadMode | None = None
     serial: bool = False
     dram_preloaded: bool = False
+    keep_warm_s: float = 0.0
+    warm_calls: bool = False
     policy: str | None = None
     two_instance: bool = False
     remote: bool = False
@@ -58,6 +62,10 @@ _ALL = (
     Mode("lmcache", "LMCache's vLLM connector (CPU + local disk), CUDA machines where lmcache is installed",
          peer=True),
     # opt-in (not in the default run)
+    Mode("lease", "prefetch, and every finished request's chunks leased in DRAM for 30 s (keep_warm_s; no client "
+         "change)", connector=True, prefetch=True, load_mode="auto", keep_warm_s=30.0),
+    Mode("warm", "prefetch, and the client names the next turn's known head (POST /v1/kvprefetch/warm, ttl 30 s) "
+         "when its tool call starts", connector=True, prefetch=True, load_mode="auto", warm_calls=True),
     Mode("prefetch-remote", "kvprefetch, prefetch on; the prelude's KV in a remote tier (Redis or Mooncake on "
          "loopback), the engine's own disk tier empty", connector=True, prefetch=True, load_mode="auto",
          remote=True),

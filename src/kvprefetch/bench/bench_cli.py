@@ -68,9 +68,21 @@ def register(app: typer.Typer) -> None:
             str,
             typer.Option(
                 help="'context' (default: the whitepaper's R2 shape, a long stored context + 32 new tokens, "
-                "the engine batching 4) or 'chat' (multi-turn sessions, nothing queues)."
+                "the engine batching 4), 'chat' (multi-turn sessions, nothing queues) or 'agent' (sessions of "
+                "turns separated by tool calls, --gap-s; modes recompute, ondemand-sync, prefetch, lease, warm, "
+                "dram at concurrency 1,8 unless -m/--concurrency say otherwise)."
             ),
         ] = "context",
+        gap_s: Annotated[
+            str,
+            typer.Option(help="Agent: a tool call's duration in seconds, uniform in MIN-MAX (e.g. 0.5-3, the "
+                         "default), or one value (0: no gap, nothing to hide)."),
+        ] = "0.5-3",
+        dram_life_s: Annotated[
+            float,
+            typer.Option(min=0.0, help="Agent: other traffic on the node's DRAM tier, as how long an unpinned chunk "
+                         "lasts after its last use (default 0.4 s: below the shortest tool gap)."),
+        ] = 0.4,
         repeats: Annotated[
             int | None,
             typer.Option(
@@ -134,10 +146,16 @@ def register(app: typer.Typer) -> None:
             int, typer.Option(help="Leave out conversations with a longer (scaled) prompt.")
         ] = 2048,
         system_tokens: Annotated[int | None, typer.Option(help="Chat: shared system prompt tokens.")] = None,
-        history_tokens: Annotated[int | None, typer.Option(help="Chat: first (long) message tokens.")] = None,
-        user_tokens: Annotated[int | None, typer.Option(help="Chat: follow-up message tokens.")] = None,
-        output_tokens: Annotated[int | None, typer.Option(help="Chat: answer tokens.")] = None,
-        turns: Annotated[int | None, typer.Option(help="Chat: measured turns per session.")] = None,
+        history_tokens: Annotated[
+            int | None, typer.Option(help="Chat: first (long) message tokens (agent: the task context).")
+        ] = None,
+        user_tokens: Annotated[
+            int | None, typer.Option(help="Chat: follow-up message tokens (agent: a tool's result).")
+        ] = None,
+        output_tokens: Annotated[
+            int | None, typer.Option(help="Chat: answer tokens (agent: the model's answer per turn).")
+        ] = None,
+        turns: Annotated[int | None, typer.Option(help="Chat (and agent): measured turns per session.")] = None,
         think_s: Annotated[float | None, typer.Option(help="Chat: mean think time between turns (s).")] = None,
         sessions_per_concurrency: Annotated[
             float | None, typer.Option(help="Chat: sessions per level = max(min, this x concurrency).")
@@ -208,8 +226,8 @@ def register(app: typer.Typer) -> None:
             first, *sweep = [parse_regime(x) for x in regime.split(",") if x.strip()] or [parse_regime("")]
         except ValueError as err:
             raise typer.BadParameter(str(err)) from None
-        if workload not in ("context", "chat"):
-            raise typer.BadParameter(f"--workload is 'context' or 'chat', got {workload!r}")
+        if workload not in ("context", "chat", "agent"):
+            raise typer.BadParameter(f"--workload is 'context', 'chat' or 'agent', got {workload!r}")
         if topology not in TOPOLOGIES:
             raise typer.BadParameter(f"--topology is {' or '.join(map(repr, TOPOLOGIES))}, got {topology!r}")
         opts = BenchOptions(regime=first, sweep=sweep, model=model, engine_args=parse_engine_args(engine_arg or []),
@@ -218,14 +236,30 @@ def register(app: typer.Typer) -> None:
                             repeats=repeats or (1 if quick else 3), topology=topology)  # fmt: skip
         if workload == "chat" or no_reuse or trace is not None or scenario == "two-instance":
             opts.chat, opts.max_num_seqs = ChatBench(), None
+        if workload == "agent":
+            from kvprefetch.bench.runner import AGENT_CONCURRENCY, AGENT_MODES
+            from kvprefetch.workload.agent import AgentBench, parse_gap
+
+            try:
+                gap_min, gap_max = parse_gap(gap_s)
+            except ValueError as err:
+                raise typer.BadParameter(str(err)) from None
+            sizes = {"measured_turns": turns, "task_tokens": history_tokens, "tool_tokens": user_tokens,
+                     "answer_tokens": output_tokens}  # the chat options' counterparts
+            opts.agent = AgentBench(gap_min_s=gap_min, gap_max_s=gap_max,
+                                    **{k: v for k, v in sizes.items() if v is not None})  # fmt: skip
+            opts.modes, opts.concurrency, opts.max_num_seqs = list(AGENT_MODES), list(AGENT_CONCURRENCY), None
+            opts.dram_life_s = dram_life_s
         if modes:
             opts.modes = modes
         if quick:
             if not modes:  # an engine start and two cells each: the full run compares with them
                 opts.modes = [m for m in opts.modes if m not in PEER_MODES]
-            opts.concurrency = list(QUICK_CONCURRENCY)
+            opts.concurrency = list(QUICK_CONCURRENCY) if opts.agent is None else opts.concurrency
             opts.calibrate_modes = False
             opts.chat = replace(opts.chat, min_sessions=2, sessions_per_concurrency=1.0)
+            if opts.agent is not None:
+                opts.agent = replace(opts.agent, min_sessions=2, sessions_per_concurrency=1.0)
         if concurrency:
             opts.concurrency = parse_list(concurrency)
         chat_kw = {k: v for k, v in dict(system_tokens=system_tokens, history_tokens=history_tokens,

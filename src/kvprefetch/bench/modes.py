@@ -158,6 +158,8 @@ def kv_transfer_config(mode: str, sizing: StoreSizing, disk_dir: Path, pool: str
         m = MODE[mode]
         extra = kvprefetch_extra(sizing, disk_dir, pool, prefetch=m.prefetch, sync=m.load_mode == "sync",
                                  serial=m.serial)  # fmt: skip
+        if m.keep_warm_s:
+            extra["keep_warm_s"] = m.keep_warm_s
         return {
             "kv_connector": "KVPrefetchConnector",
             "kv_connector_module_path": "kvprefetch.vllm",

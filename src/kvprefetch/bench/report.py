@@ -376,6 +376,10 @@ def markdown_report(results: dict) -> str:
             lines += ["## Goals (issue 19), on this run's paired medians", "", "| goal | measured | met |",
                       "|---|---|---|"] + [f"| {x['goal']} | {x['measured']} | {'yes' if x['met'] else '**no**'} |"
                                           for x in g] + [""]  # fmt: skip
+    if w.get("kind") == "agent":
+        from kvprefetch.bench.agent_report import agent_lines
+
+        lines += agent_lines(results)
     preds = results.get("simulator_prediction")
     if preds:
         lines += ["## Simulator (calibrated from this run) vs measured TTFT p50", ""]
@@ -647,6 +651,10 @@ def write_outputs(results: dict, out: Path) -> list[str]:
         (out / "calibration.json").write_text(json.dumps(results["calibration"], indent=2) + "\n")
         files.append("calibration.json")
     files += plots(results, out)
+    if results.get("workload", {}).get("kind") == "agent":
+        from kvprefetch.bench.agent_report import lease_plot
+
+        files += lease_plot(results, out)
     (out / "report.md").write_text(markdown_report(results))
     files.append("report.md")
     return files

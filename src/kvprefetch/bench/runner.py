@@ -59,9 +59,11 @@ from kvprefetch.bench.rounds import aggregate
 from kvprefetch.bench.sessions import SessionSchedule
 from kvprefetch.bench.stats import cell_metrics, merge_snapshots
 from kvprefetch.bench.topology import TopologyKind, plan_topology
+from kvprefetch.modes import MODE
 from kvprefetch.modes import SIMULATED as BENCH_MODES
 from kvprefetch.results import SCHEMA_KEY, SCHEMA_VERSION
 from kvprefetch.sim.scenarios import PARALLEL_READS
+from kvprefetch.workload.agent import AgentBench, agent_workload
 from kvprefetch.workload.replay import (
     CONTEXT,
     CONTEXT_MAX_NUM_SEQS,
@@ -80,6 +82,16 @@ DEFAULT_MODES = ["recompute", "ondemand-serial", "ondemand-sync", "ondemand", "p
                  "lmcache"]
 DEFAULT_CONCURRENCY = [1, 8, 16, 32]
 QUICK_CONCURRENCY = [2, 8]
+AGENT_MODES = ["recompute", "ondemand-sync", "prefetch", "lease", "warm", "dram"]
+AGENT_CONCURRENCY = [1, 8]
+WARM_TTL_S = 30.0  # the warm mode's ttl_s (the API's default)
+DRAM_LIFE_S = 0.4
+"""The agent workload's DRAM pressure (`kvprefetch.bench.pressure`): an unpinned chunk lasts this long after its
+last use, as under other engines' traffic on the node; below the shortest default tool gap (0.5 s), so an
+unleased head is on disk by its next turn."""
+AGENT_DRAM_HEADS = 5
+"""The agent workload's DRAM tier: this many heads of the largest level's sessions at once (so the lease budget,
+a quarter of it by default, holds every active session's head)."""
 SPEC_KEYS = ("load_format", "dtype", "max_num_seqs")  # engine args the spec sets itself
 ENGINE_SETTLE_S = 1.5
 """Pause before a cell with the gpu-node topology when another engine ran last: vLLM's shared-memory queues
@@ -100,6 +112,8 @@ class BenchOptions:
     out: Path | None = None
     chat: ChatBench = CONTEXT  # the default workload (a ChatBench preset); chat: ChatBench()
     trace: TraceBench | None = None
+    agent: AgentBench | None = None  # the agent workload (`kvprefetch.workload.agent`)
+    dram_life_s: float = DRAM_LIFE_S  # the agent workload's DRAM pressure
     cache_dir: Path | None = None
     chunk_tokens: int = 256
     kv_cache_bytes: int | None = None  # engine KV cache; default: room for 4 of the longest requests
@@ -206,6 +220,8 @@ class Progress:
 
 # ---- the run ------------------------------------------------------------------------------------------------
 def build_workload(opts: BenchOptions, vocab: int, bytes_per_token: int = 0) -> BenchWorkload:
+    if opts.agent is not None:
+        return agent_workload(opts.agent, opts.concurrency, vocab)
     if opts.trace is not None:
         trace = opts.trace
         if opts.kv_cache_bytes and bytes_per_token:  # an engine KV cache asked for: the levels outgrow it
@@ -299,13 +315,16 @@ class Bench:
         self.max_model_len = min(
             _round_up(w.max_len() + 64, 256), int(self.model.config.get("max_position_embeddings", 1 << 30))
         )
+        heads = max(4, max(o.concurrency)) if o.agent is not None else 4  # agent: every active session's turn
         self.kv_cache_bytes = int(
-            o.kv_cache_bytes or default_engine_kv_tokens(w.max_len()) * self.model.bytes_per_token
+            o.kv_cache_bytes or heads * default_engine_kv_tokens(w.max_len()) // 4 * self.model.bytes_per_token
         )
         self.sizing = self._store_sizing()
         self.modes = [m for m in o.modes if m in MODES]
         self.avail = {m: availability(m, self.cuda, o.remote_backend) for m in self.modes}
         self.running = [m for m in self.modes if self.avail[m][0]]
+        # the simulator does not model the agent workload (leases, warm-ups, no engine prefix cache)
+        self.calibrates = o.calibrate_modes and o.agent is None
         # Filled as the run goes
         self.work = Path()  # the run's temp dir (run)
         self.wfile = ""  # its workload file
@@ -330,13 +349,21 @@ class Bench:
             "kv_cache_bytes": self.kv_cache_bytes,
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.o.max_num_batched_tokens,
-            "engine_args": {k: v for k, v in self.o.engine_args.items() if k not in SPEC_KEYS},
+            "engine_args": self.workload_engine_args() | {k: v for k, v in self.o.engine_args.items()
+                                                          if k not in SPEC_KEYS},
             "kv_transfer_config": kv_transfer,
             "cgroup": cgroup,
             "env": env or {},
             "topology": self.topology.spec(),
         }
         return spec
+
+    def workload_engine_args(self) -> dict[str, Any]:
+        """Engine arguments the workload sets. The agent workload runs vLLM without its prefix cache: on a busy
+        server the accelerator's memory holds other sessions' KV by the time a tool call returns, so a turn's head
+        comes from the tiers (or is recomputed), in every mode; a 2-core machine cannot compute that other
+        traffic without starving the turns it measures, so the bench declares its effect instead."""
+        return {"enable_prefix_caching": False} if self.o.agent is not None else {}
 
     def _start(self, name: str, spec: dict) -> EngineProcess:
         self.p.update(f"{name}: starting engine")
@@ -386,7 +413,8 @@ class Bench:
         # Room for the in-flight requests' KV 3 times over (what prefetching the queue needs), and at least a
         # quarter of the prelude: enough for prefetch to work, not enough to hold every history. (twice over: the
         # DRAM holds of a queue's prefetches take their budget out of it)
-        in_flight = math.ceil(3 * max(o.concurrency) * math.ceil(w.max_prompt_tokens() / chunk))
+        heads = AGENT_DRAM_HEADS if o.agent is not None else 3
+        in_flight = math.ceil(heads * max(o.concurrency) * math.ceil(w.max_prompt_tokens() / chunk))
         dram_default = max(in_flight, 4, math.ceil(prelude_chunks_est / 4)) * (chunk_bytes_est + 8192)
         return StoreSizing(
             chunk_tokens=chunk,
@@ -401,7 +429,7 @@ class Bench:
         est_tps = 3000.0
         self.p.plan(25 + 15 + w.prelude_tokens() / est_tps + 20)
         for m in self.running:
-            calibrate = CALIBRATE_EST_S if m in BENCH_MODES and o.calibrate_modes else 0.0
+            calibrate = CALIBRATE_EST_S if m in BENCH_MODES and self.calibrates else 0.0
             rounds = 1 if m in TWO_INSTANCE_MODES else o.repeats * (1 + len(o.sweep))
             self.p.plan(25 * (2 if m in TWO_INSTANCE_MODES else 1) + calibrate
                         + rounds * sum(self._cell_estimate(m, c, est_tps) for c in o.concurrency))  # fmt: skip
@@ -548,6 +576,7 @@ class Bench:
                 "max_num_batched_tokens": o.max_num_batched_tokens,
                 "engine_args": o.engine_args,
                 "dram_tier_bytes": self.sizing.dram_bytes,
+                "dram_life_s": o.dram_life_s if o.agent is not None else None,
                 "disk_dir": str(self.work),
                 "io_threads": self.sizing.io_threads,
                 "topology": self.topology.to_json() | {"observed": placement},
@@ -615,7 +644,11 @@ class Bench:
     def _cell_estimate(self, mode: str, c: int, tps: float) -> float:
         tokens = self.workload.prompt_tokens(c)
         heavy = mode in ("recompute", "vllm-example")
-        return tokens / tps * (1.0 if heavy else 0.3) + 2
+        gaps = 0.0
+        if (a := self.o.agent) is not None:  # the tool gaps, c sessions at a time
+            waves = math.ceil(a.sessions_for(c) / c)
+            gaps = waves * a.measured_turns * ((a.gap_min_s + a.gap_max_s) / 2 + a.answer_tokens * 0.01)
+        return tokens / tps * (1.0 if heavy else 0.3) + 2 + gaps
 
     def _count_chunks(self, d: Path) -> int:
         from kvprefetch.tiers.disk import chunk_keys
@@ -710,13 +743,32 @@ class Bench:
         try:
             res = me.eng.call("run", file=self.wfile, level=c, concurrency=c, tag=tag, timeout_s=o.cell_timeout_s,
                               timeout=o.cell_timeout_s + 300, record_steps=o.step_log,
-                              salt=round_ if fresh else 0)  # fmt: skip
+                              salt=round_ if fresh else 0, **self._agent_args(me.mode))  # fmt: skip
         finally:
             self.last_active = (me.mode, time.monotonic())
         steps = res.pop("steps", None)
         if round_ == 0:  # the step check replays one round per cell
             self._write_steps(f"{me.mode}-c{c}", steps)
-        return res, {}
+        return res, self._agent_row(me.mode, c, res.pop("agent", None))
+
+    def _agent_args(self, mode: str) -> dict[str, Any]:
+        """The agent workload's client (warm-up calls in the warm mode) and DRAM pressure (every mode whose DRAM
+        tier is not meant to hold everything)."""
+        if self.o.agent is None:
+            return {}
+        pressure = mode in CONNECTOR_MODES and not MODE[mode].dram_preloaded
+        return {"agent": True, "warm_ttl_s": WARM_TTL_S if MODE[mode].warm_calls else None,
+                "pressure_life_s": self.o.dram_life_s if pressure else None}  # fmt: skip
+
+    def _agent_row(self, mode: str, c: int, agent: dict | None) -> dict[str, Any]:
+        """A cell's lease and warm-up figures; DRAM held by leases is checked against its budget here."""
+        if not agent:
+            return {}
+        if agent["lease_peak_reserved_keys"] > agent["lease_budget_keys"]:
+            self.notes.append(f"{mode} @ {c}: leases reserved {agent['lease_peak_reserved_keys']} DRAM slots, above "
+                              f"their budget of {agent['lease_budget_keys']}")  # fmt: skip
+        return {k: v for k, v in agent.items()} | {
+            "lease_within_budget": agent["lease_peak_reserved_keys"] <= agent["lease_budget_keys"]}
 
     def _settle(self, mode: str) -> None:
         """With the gpu-node topology, wait until another engine that ran last has stopped polling the model's
@@ -727,7 +779,7 @@ class Bench:
 
     def _close_mode(self, me: _ModeEngine, calibrate: bool = True) -> None:
         try:
-            if me.eng is not None and calibrate and me.mode in BENCH_MODES and self.o.calibrate_modes:
+            if me.eng is not None and calibrate and me.mode in BENCH_MODES and self.calibrates:
                 self._calibrate_mode_engine(me.mode, me.eng)
         finally:
             if me.eng is not None:
@@ -905,6 +957,8 @@ def simulator_prediction(results: dict) -> list[dict]:
         from kvprefetch.sim.calibration import calibration_from_results, predict_bench
 
         if not results["regime"].get("read_bps") or not results["regime"].get("decode_step_s"):
+            return []
+        if results["workload"].get("kind") == "agent":  # not modelled: leases, warm-ups, tool gaps
             return []
         out = predict_bench(results)
         results["calibration"] = asdict(calibration_from_results(results))

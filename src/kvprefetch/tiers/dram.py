@@ -545,6 +545,13 @@ class SharedChunkPool:
         maybe = np.isin(want, self.slots["key0"][ready])
         return [bool(m) and self._find(k) is not None for k, m in zip(keys, maybe, strict=True)]
 
+    def unpinned_ticks(self) -> dict[bytes, int]:
+        """Key -> LRU tick of every READY slot that no process pins: what an eviction may take now (the
+        bench's stand-in for other engines' traffic reads it, `kvprefetch.bench.pressure`)."""
+        with self._locked():
+            idx = np.flatnonzero((self.slots["state"] == READY) & (self.pins.sum(axis=0) == 0))
+            return {self.slots["key"][i].tobytes(): int(self.slots["tick"][i]) for i in idx}
+
     # ---- slot lifecycle ----------------------------------------------------------------------------------
     def allocate(self, key: bytes, payload_nbytes: int) -> int | None:
         """Reserve a slot for key (pinned by this process, state WRITING); None if present or all pinned."""

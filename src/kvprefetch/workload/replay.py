@@ -47,6 +47,7 @@ class Turn:
     tokens: list[int]
     max_tokens: int
     think_s: float = 0.0  # pause after the session's previous turn finished (ignored for its first turn)
+    known_tokens: int = 0  # leading tokens a client knows once the previous turn finished (what it can warm)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Session:
     sid: str
     arrival_s: float
     turns: list[Turn]
+    lead_s: float = 0.0  # the session's first turn is due this long after the session starts (a tool call)
 
 
 @dataclass
@@ -74,7 +76,8 @@ class BenchWorkload:
     @classmethod
     def from_json(cls, data: dict) -> BenchWorkload:
         def sessions(ss: list[dict]) -> list[Session]:
-            return [Session(s["sid"], s["arrival_s"], [Turn(**t) for t in s["turns"]]) for s in ss]
+            return [Session(s["sid"], s["arrival_s"], [Turn(**t) for t in s["turns"]], s.get("lead_s", 0.0))
+                    for s in ss]
 
         levels = {int(c): sessions(ss) for c, ss in data["levels"].items()}
         return cls(data["name"], data["declared"], sessions(data["prelude"]), levels)
@@ -280,6 +283,11 @@ def trace_workload(spec: TraceBench, concurrencies: list[int], vocab_size: int) 
 def workload_from_declared(declared: dict, concurrencies: list[int], vocab_size: int) -> BenchWorkload:
     """A run's workload regenerated from what it declared (results.json's `workload`): the generators are
     deterministic, so this is token for token what the run replayed."""
+    if declared.get("kind") == "agent":
+        from kvprefetch.workload.agent import AgentBench, agent_workload
+
+        spec = AgentBench(**{f.name: declared[f.name] for f in fields(AgentBench) if f.name in declared})
+        return agent_workload(spec, list(concurrencies), vocab_size)
     trace = declared.get("kind") == "trace"  # else a chat-shaped workload: "chat", or its variants ("context")
     spec_cls, build = (TraceBench, trace_workload) if trace else (ChatBench, chat_workload)
     spec = spec_cls(**{f.name: declared[f.name] for f in fields(spec_cls) if f.name in declared})

@@ -1,0 +1,138 @@
+"""The agent workload's part of the report: warm-ups and leases against arrival-only prefetch and all-in-DRAM,
+DRAM held by leases against their budget, and where the warm-ups' reads ended up (issue 39's goals)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvprefetch.bench.rounds import paired
+
+PAIRS = (("warm", "dram"), ("warm", "prefetch"), ("lease", "prefetch"), ("lease", "dram"), ("prefetch", "dram"),
+         ("warm", "recompute"), ("prefetch", "ondemand-sync"))  # fmt: skip
+"""(mode, baseline) ratios the report prints, TTFT p50 and p90, paired round by round."""
+
+GOALS = (("warm", "dram", 1.10, None), ("warm", "prefetch", 0.60, 1), ("lease", "prefetch", 0.75, 1))
+"""(mode, baseline, largest TTFT p50 ratio, the one level it is judged at or None for every level)."""
+
+
+def _row(rows: list[dict], mode: str, c: int) -> dict | None:
+    return next((r for r in rows if r["mode"] == mode and r["concurrency"] == c and r.get("status") == "ok"), None)
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Every pair of `PAIRS` at every level both ran: median of the rounds' ratios, range and verdict."""
+    out = []
+    for c in sorted({r["concurrency"] for r in rows if r.get("status") == "ok"}):
+        for mode, base in PAIRS:
+            a, b = _row(rows, mode, c), _row(rows, base, c)
+            if a is None or b is None:
+                continue
+            for key in ("ttft_p50_s", "ttft_p90_s"):
+                if (p := paired(a, b, key)) is not None:
+                    out.append({"concurrency": c, "mode": mode, "baseline": base, "key": key} | p)
+    return out
+
+
+def goals(rows: list[dict]) -> list[dict]:
+    """Issue 39's targets on TTFT p50's paired medians; a tie with all-in-DRAM counts as met (nothing left to
+    hide), a tie with prefetch never counts as a gain."""
+    by = {(x["mode"], x["baseline"], x["concurrency"]): x for x in ratios(rows) if x["key"] == "ttft_p50_s"}
+    out = []
+    for mode, base, limit, level in GOALS:
+        got = [(c, x) for (m, b, c), x in sorted(by.items()) if (m, b) == (mode, base) and level in (None, c)]
+        if not got:
+            continue
+
+        def met(x: dict, base: str = base, limit: float = limit) -> bool:
+            return x["ratio"] <= limit or (base == "dram" and x["verdict"] == "tie")
+
+        text = ", ".join(f"c={c} {x['ratio']:.2f} ({x['min']:.2f}-{x['max']:.2f}, {x['verdict']})" for c, x in got)
+        where = f" at c={level}" if level else ""
+        out.append({"goal": f"{mode} / {base} TTFT p50 <= {limit:.2f}{where}", "measured": text,
+                    "met": all(met(x) for _, x in got)})  # fmt: skip
+    return out
+
+
+def lease_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r.get("status") == "ok" and "lease_budget_keys" in r]
+
+
+def agent_lines(results: dict) -> list[str]:
+    rows = results.get("rows", [])
+    w = results.get("workload", {})
+    lines = ["## Agent workload: warm the next turn", ""]
+    lines.append(f"Sessions of {w.get('measured_turns')} turns from a {w.get('task_tokens')}-token task context "
+                 f"(on disk from the prelude); each turn adds a {w.get('answer_tokens')}-token answer and a "
+                 f"{w.get('tool_tokens')}-token tool result; a tool call of "
+                 f"{w.get('gap_min_s')}-{w.get('gap_max_s')} s "
+                 "(uniform) before every turn. vLLM runs without its prefix cache (on a busy server other sessions "
+                 "hold the accelerator's memory by the next turn) and, but in `dram`, the DRAM tier keeps an "
+                 f"unpinned chunk {results.get('config', {}).get('dram_life_s')} s after its last use (other "
+                 "engines' traffic on the node, `kvprefetch.bench.pressure`): a head nobody leases is on disk by its "
+                 "next turn.")  # fmt: skip
+    lines += ["", "| conc | mode / baseline | TTFT p50 ratio | range | verdict | TTFT p90 ratio | range |",
+              "|---:|---|---:|---:|---|---:|---:|"]  # fmt: skip
+    rs = ratios(rows)
+    for x in (x for x in rs if x["key"] == "ttft_p50_s"):
+        p90 = next((y for y in rs if y["key"] == "ttft_p90_s" and (y["mode"], y["baseline"], y["concurrency"]) ==
+                    (x["mode"], x["baseline"], x["concurrency"])), None)  # fmt: skip
+        p90_text = f"{p90['ratio']:.2f} | {p90['min']:.2f}-{p90['max']:.2f}" if p90 else "- | -"
+        lines.append(f"| {x['concurrency']} | {x['mode']} / {x['baseline']} | {x['ratio']:.2f} | "
+                     f"{x['min']:.2f}-{x['max']:.2f} | {x['verdict']} | {p90_text} |")  # fmt: skip
+    g = goals(rows)
+    if g:
+        lines += ["", "### Goals (issue 39), on this run's paired medians", "", "| goal | measured | met |",
+                  "|---|---|---|"] + [f"| {x['goal']} | {x['measured']} | {'yes' if x['met'] else '**no**'} |"
+                                      for x in g]  # fmt: skip
+    lr = lease_rows(rows)
+    if lr:
+        lines += ["", "### DRAM held by leases, and the warm-ups' reads", "",
+                  "Keys are DRAM slots (a chunk per rank). `reserved`: what leases hold or will hold once their reads "
+                  "land (what the budget bounds), peak over the cell; `pinned`: what they hold, peak and mean. Warm-up "
+                  "reads: chunks read disk -> DRAM for a warm-up; `in time` were in DRAM when the turn arrived, "
+                  "`late` were still being read, `wasted` belonged to a lease that ended first. `dropped`: chunks the "
+                  "DRAM pressure took.", "",
+                  "| mode | conc | budget | peak reserved | peak pinned | mean pinned | within | warm-ups | reads | "
+                  "in time | late | wasted | dropped |",
+                  "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in lr:
+            lines.append(f"| {r['mode']} | {r['concurrency']} | {r['lease_budget_keys']} | "
+                         f"{r['lease_peak_reserved_keys']} | {r['lease_peak_pinned_keys']} | "
+                         f"{r['lease_mean_pinned_keys']:.1f} | {'yes' if r.get('lease_within_budget') else '**NO**'} | "
+                         f"{r.get('hints', 0)} | {r.get('hint_reads', 0)} | {r.get('hint_in_time', 0)} | "
+                         f"{r.get('hint_late', 0)} | {r.get('hint_wasted', 0)} | "
+                         f"{r.get('pressure_dropped_chunks') or 0} |")  # fmt: skip
+        lines += ["", "![DRAM held by leases](lease_dram.png)"]
+    return [*lines, ""]
+
+
+def lease_plot(results: dict, out: Path) -> list[str]:
+    """DRAM slots pinned by leases over each cell's first round, against the budget."""
+    lr = [r for r in lease_rows(results.get("rows", [])) if r.get("lease_samples")]
+    if not lr:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    budget: Any = None
+    for r in lr:
+        if r["mode"] not in ("lease", "warm"):
+            continue
+        pts = r["lease_samples"]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{r['mode']} c={r['concurrency']}")
+        budget = r["lease_budget_keys"]
+    if budget is not None:
+        ax.axhline(budget, color="red", linestyle="--", linewidth=1, label="budget")
+    ax.set_xlabel("seconds into the cell")
+    ax.set_ylabel("DRAM slots pinned by leases")
+    ax.set_title("DRAM held by leases (first round of each cell)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "lease_dram.png", dpi=120)
+    plt.close(fig)
+    return ["lease_dram.png"]
