@@ -79,7 +79,8 @@ def status(
     gc: Annotated[bool, typer.Option("--gc", help="Free every pool no process uses, whatever its policy.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
-    """DRAM pools on this node (RAM held, processes, last use, slots, pins) and the configured disk tier.
+    """DRAM pools on this node (RAM held, processes, last use, slots, pins), the leases of every engine running the
+    connector, and the configured disk tier.
 
     A pool idle past its keep_idle_s is removed as soon as this command sees it.
     """
@@ -96,6 +97,7 @@ def status(
         console.print(f"[red]no DRAM pool named {', '.join(sorted(unknown))} on this node[/red]")
         raise typer.Exit(2)
     report: dict = {"pools": [inspect_pool(p, access, reap, gc or pool_name(p) in wanted) for p in paths], "disk": None}
+    report["leases"] = engines_leases()
     if cfg.disk_enabled and cfg.disk.path.exists():
         report["disk"] = DiskTier(cfg.disk.path, int(cfg.disk.capacity_bytes), access=access).stats()
     refused = [p for p in report["pools"] if "refused" in p and (p["name"] in wanted)]
@@ -105,6 +107,28 @@ def status(
         _print(report, cfg)
     if refused:
         raise typer.Exit(1)
+
+
+def engines_leases() -> dict[str, dict]:
+    """Leases of every engine on this node running the connector, by engine id (asked over its warm-up socket:
+    leases live in the engine's scheduler process, their pins in the pools above)."""
+    from kvprefetch.vllm.warm_api import engine_leases, live_engines
+
+    return {e: engine_leases(e) for e in live_engines()}
+
+
+def _print_leases(leases: dict[str, dict]) -> None:
+    for engine, got in leases.items():
+        if "error" in got:
+            console.print(f"[yellow]engine {engine}: leases unknown ({got['error']})[/yellow]")
+            continue
+        table = Table(title=f"Leases of engine {engine}: {got['lease_chunks_reserved']} of "
+                            f"{got['lease_budget_chunks']} DRAM slots reserved, {got['lease_chunks_pinned']} pinned")
+        for col in ("id", "origin", "slots", "pinned", "seconds left"):
+            table.add_column(col)
+        for x in got["list"]:
+            table.add_row(x["id"], x["origin"], str(x["keys"]), str(x["pinned"]), f"{x['remaining_s']:.1f}")
+        console.print(table if got["list"] else f"engine {engine}: no lease")
 
 
 def _print(report: dict, cfg: StoreConfig) -> None:
@@ -128,6 +152,7 @@ def _print(report: dict, cfg: StoreConfig) -> None:
             console.print(f"removed {p['name']}: freed {p['held_bytes'] / 2**30:.2f} GiB")
         if "refused" in p:
             console.print(f"[red]not removed: {p['refused']}[/red]")
+    _print_leases(report.get("leases") or {})
     d = report["disk"]
     if d:
         console.print(f"disk tier {d['root']}: {d['chunks']} chunks, {d['bytes_used'] / 2**30:.2f} of "

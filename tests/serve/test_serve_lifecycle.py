@@ -76,6 +76,9 @@ def _use_warm_api(port: int) -> dict[str, tuple[int, dict]]:
     api = {"prompt": _call(port, "POST", "/v1/kvprefetch/warm", {"model": "tiny", "prompt": PROMPT, "ttl_s": 20})}
     lease = api["prompt"][1]["id"]
     api["status"] = _call(port, "GET", f"/v1/kvprefetch/warm/{lease}")
+    node = subprocess.run([sys.executable, "-m", "kvprefetch.cli", "status", "--json"], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    api["node_status"] = (node.returncode, json.loads(node.stdout) if node.returncode == 0 else {"err": node.stderr})
     api["delete"] = _call(port, "DELETE", f"/v1/kvprefetch/warm/{lease}")
     api["status_after_delete"] = _call(port, "GET", f"/v1/kvprefetch/warm/{lease}")
     api["messages"] = _call(port, "POST", "/v1/kvprefetch/warm", {"model": "tiny", "messages": MESSAGES})
@@ -199,6 +202,13 @@ def test_the_warm_up_api_on_vllms_port(stopped):
     assert status == 200 and set(warm) == {"id", "chunks", "in_dram", "on_disk", "remote", "missing", "ttl_s"}
     assert warm["chunks"] >= 2 and warm["missing"] == 0 and warm["in_dram"] + warm["on_disk"] == warm["chunks"]
     assert api["status"][0] == 200 and api["status"][1]["id"] == warm["id"] and api["status"][1]["ttl_s"] <= 20
+    # `kvprefetch status` lists the lease, asked of the engine over its warm-up socket
+    code, node = api["node_status"]
+    leases = [x | {"budget": e["lease_budget_chunks"]} for e in node["leases"].values() for x in e.get("list", [])
+              if x["id"] == warm["id"]]  # fmt: skip
+    assert code == 0 and len(leases) == 1, node.get("leases")
+    assert leases[0]["origin"] == "warm" and leases[0]["keys"] == warm["chunks"] <= leases[0]["budget"]
+    assert 0 < leases[0]["remaining_s"] <= 20
     assert api["delete"] == (200, {"id": warm["id"], "ended": True})
     assert api["status_after_delete"][0] == 404
     # Messages are tokenized as vLLM's /tokenize does (the server's chat template, no generation prompt), so the

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from kvprefetch.bench.sessions import SessionSchedule
-from kvprefetch.workload.agent import AgentBench, agent_workload, parse_gap
-from kvprefetch.workload.replay import BenchWorkload, reuse_summary, workload_from_declared
+from kvprefetch.workload.agent import AgentBench, agent_from_declared, agent_workload, parse_gap
+from kvprefetch.workload.replay import BenchWorkload, reuse_summary
 
 SPEC = AgentBench(task_tokens=512, answer_tokens=16, tool_tokens=48, measured_turns=3, min_sessions=2)
 
@@ -35,7 +35,7 @@ def test_each_turn_is_the_previous_prompt_plus_an_answer_plus_a_tool_result():
 
 def test_the_workload_is_rebuilt_token_for_token_from_what_it_declared():
     w = agent_workload(SPEC, [1, 4], vocab_size=500)
-    again = workload_from_declared(json.loads(json.dumps(w.declared)), [1, 4], 500)
+    again = agent_from_declared(json.loads(json.dumps(w.declared)), [1, 4], 500)
     assert again.to_json() == w.to_json()
     assert BenchWorkload.from_json(json.loads(json.dumps(w.to_json()))).to_json() == w.to_json()
 

@@ -61,16 +61,20 @@ def lease_rows(rows: list[dict]) -> list[dict]:
 def agent_lines(results: dict) -> list[str]:
     rows = results.get("rows", [])
     w = results.get("workload", {})
-    lines = ["## Agent workload: warm the next turn", ""]
-    lines.append(f"Sessions of {w.get('measured_turns')} turns from a {w.get('task_tokens')}-token task context "
-                 f"(on disk from the prelude); each turn adds a {w.get('answer_tokens')}-token answer and a "
-                 f"{w.get('tool_tokens')}-token tool result; a tool call of "
-                 f"{w.get('gap_min_s')}-{w.get('gap_max_s')} s "
-                 "(uniform) before every turn. vLLM runs without its prefix cache (on a busy server other sessions "
-                 "hold the accelerator's memory by the next turn) and, but in `dram`, the DRAM tier keeps an "
-                 f"unpinned chunk {results.get('config', {}).get('dram_life_s')} s after its last use (other "
-                 "engines' traffic on the node, `kvprefetch.bench.pressure`): a head nobody leases is on disk by its "
-                 "next turn.")  # fmt: skip
+    if w.get("kind") != "agent":
+        lines = ["## Leases and warm-ups", "", "The lease and warm modes against arrival-only prefetch on this "
+                 "workload (the warm mode's client names each turn's known head, the last prompt and its answer, when "
+                 "the turn before it finished)."]  # fmt: skip
+    else:
+        lines = ["## Agent workload: warm the next turn", ""]
+        lines.append(f"Sessions of {w.get('measured_turns')} turns from a {w.get('task_tokens')}-token task context "
+                     f"(on disk from the prelude); each turn adds a {w.get('answer_tokens')}-token answer and a "
+                     f"{w.get('tool_tokens')}-token tool result; a tool call of "
+                     f"{w.get('gap_min_s')}-{w.get('gap_max_s')} s (uniform) before every turn. vLLM runs without its "
+                     "prefix cache (on a busy server other sessions hold the accelerator's memory by the next turn) "
+                     "and, but in `dram`, the DRAM tier keeps an unpinned chunk "
+                     f"{results.get('config', {}).get('dram_life_s')} s after its last use (other engines' traffic on "
+                     "the node, `kvprefetch.bench.pressure`): a head nobody leases is on disk by its next turn.")
     lines += ["", "| conc | mode / baseline | TTFT p50 ratio | range | verdict | TTFT p90 ratio | range |",
               "|---:|---|---:|---:|---|---:|---:|"]  # fmt: skip
     rs = ratios(rows)

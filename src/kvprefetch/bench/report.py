@@ -376,7 +376,7 @@ def markdown_report(results: dict) -> str:
             lines += ["## Goals (issue 19), on this run's paired medians", "", "| goal | measured | met |",
                       "|---|---|---|"] + [f"| {x['goal']} | {x['measured']} | {'yes' if x['met'] else '**no**'} |"
                                           for x in g] + [""]  # fmt: skip
-    if w.get("kind") == "agent":
+    if w.get("kind") == "agent" or any("lease_budget_keys" in r for r in rows):
         from kvprefetch.bench.agent_report import agent_lines
 
         lines += agent_lines(results)
@@ -651,7 +651,7 @@ def write_outputs(results: dict, out: Path) -> list[str]:
         (out / "calibration.json").write_text(json.dumps(results["calibration"], indent=2) + "\n")
         files.append("calibration.json")
     files += plots(results, out)
-    if results.get("workload", {}).get("kind") == "agent":
+    if any("lease_budget_keys" in r for r in results.get("rows", [])):
         from kvprefetch.bench.agent_report import lease_plot
 
         files += lease_plot(results, out)

@@ -752,13 +752,16 @@ class Bench:
         return res, self._agent_row(me.mode, c, res.pop("agent", None))
 
     def _agent_args(self, mode: str) -> dict[str, Any]:
-        """The agent workload's client (warm-up calls in the warm mode) and DRAM pressure (every mode whose DRAM
-        tier is not meant to hold everything)."""
-        if self.o.agent is None:
-            return {}
-        pressure = mode in CONNECTOR_MODES and not MODE[mode].dram_preloaded
-        return {"agent": True, "warm_ttl_s": WARM_TTL_S if MODE[mode].warm_calls else None,
-                "pressure_life_s": self.o.dram_life_s if pressure else None}  # fmt: skip
+        """The client's warm-up calls (the warm mode, any workload whose turns declare a known head) and the lease
+        samples (the agent workload, and the lease and warm modes anywhere); the agent workload's DRAM pressure
+        (every mode whose DRAM tier is not meant to hold everything)."""
+        m, agent = MODE[mode], self.o.agent is not None
+        args: dict[str, Any] = {}
+        if agent or m.warm_calls or m.keep_warm_s:
+            args |= {"agent": True, "warm_ttl_s": WARM_TTL_S if m.warm_calls else None}
+        if agent and mode in CONNECTOR_MODES and not m.dram_preloaded:
+            args["pressure_life_s"] = self.o.dram_life_s
+        return args
 
     def _agent_row(self, mode: str, c: int, agent: dict | None) -> dict[str, Any]:
         """A cell's lease and warm-up figures; DRAM held by leases is checked against its budget here."""

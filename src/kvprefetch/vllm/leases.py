@@ -94,6 +94,15 @@ class Leases:
             "lease_budget_chunks": self.budget,
         }
 
+    def describe(self) -> list[dict[str, object]]:
+        """Every lease now, oldest first (for `kvprefetch status`): id, origin, keys reserved and pinned, seconds
+        left."""
+        now = self.clock()
+        with self._lock:
+            leases = list(self._by_id.values())
+        return [{"id": x.lease_id, "origin": x.origin, "keys": len(x.keys), "pinned": len(x.pinned),
+                 "remaining_s": round(x.remaining_s(now), 3)} for x in leases]  # fmt: skip
+
     # ---- granting ---------------------------------------------------------------------------------------------
     def grant(self, lease_id: str, origin: str, keys: Sequence[bytes], ttl_s: float, keys_per_chunk: int) -> Lease:
         """A lease on keys for ttl_s (replacing one of the same id): pins what is in DRAM now; `pin_landed` and

@@ -30,6 +30,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -126,9 +127,31 @@ def engine_handler(sched: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
             if sched.end_lease(lease_id):
                 return {"id": lease_id, "ended": True}
             return {"status": 404, "error": f"no warm-up {lease_id!r} (unknown, expired or ended)"}
+        if op == "leases":  # `kvprefetch status`
+            sched.leases.expire()
+            return sched.leases.snapshot() | {"list": sched.leases.describe()}
         return {"status": 400, "error": f"unknown op {op!r}"}
 
     return handle
+
+
+def live_engines(proc_net_unix: str = "/proc/net/unix") -> list[str]:
+    """Engine ids of the warm servers listening on this node (their abstract sockets, as the kernel lists them)."""
+    prefix = "@" + socket_name("")[1:]
+    try:
+        lines = Path(proc_net_unix).read_text().splitlines()[1:]
+    except OSError:
+        return []
+    names = {line.split()[-1] for line in lines if len(line.split()) >= 8}
+    return sorted(n.removeprefix(prefix) for n in names if n.startswith(prefix))
+
+
+def engine_leases(engine_id: str, timeout: float = 2.0) -> dict[str, Any]:
+    """One engine's leases (`Leases.snapshot` and `describe`), or {"error": ...} if it does not answer."""
+    try:
+        return engine_call(socket_name(engine_id), {"op": "leases"}, timeout)
+    except (OSError, ValueError) as err:
+        return {"error": f"{type(err).__name__}: {err}"}
 
 
 def engine_call(name: str, request: dict[str, Any], timeout: float = 10) -> dict[str, Any]:

@@ -24,7 +24,7 @@ returns much more (a file, a web page) is mostly prefill of new tokens, and ther
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
@@ -91,3 +91,10 @@ def agent_workload(spec: AgentBench, concurrencies: list[int], vocab_size: int) 
     declared = {"kind": spec.name, **asdict(spec),
                 "sessions_per_level": {str(c): n for c, n in zip(concurrencies, counts, strict=True)}}  # fmt: skip
     return BenchWorkload(spec.name, declared, prelude, levels)
+
+
+def agent_from_declared(declared: dict, concurrencies: list[int], vocab_size: int) -> BenchWorkload:
+    """A run's agent workload regenerated from what it declared (as `replay.workload_from_declared` does for the
+    others): token for token what the run replayed."""
+    spec = AgentBench(**{f.name: declared[f.name] for f in fields(AgentBench) if f.name in declared})
+    return agent_workload(spec, list(concurrencies), vocab_size)

@@ -187,7 +187,11 @@ def chat_workload(spec: ChatBench, concurrencies: list[int], vocab_size: int) ->
                 history = [Turn(r.token_ids(vocab_size).tolist(), 1) for r in reqs[:upto]]
                 prelude.append(Session(f"p{sid}", 0.0, history))
                 reqs = reqs[1:]
-            measured = [Turn(r.token_ids(vocab_size).tolist(), r.output_len, r.think_s) for r in reqs]
+            prev = {r.turn: r for r in by_session[sid]}
+            # what a client knows of a turn when the one before it finished: that prompt and its answer
+            measured = [Turn(r.token_ids(vocab_size).tolist(), r.output_len, r.think_s,
+                             known_tokens=(p.input_len + p.output_len) if (p := prev.get(r.turn - 1)) else 0)
+                        for r in reqs]  # fmt: skip
             sessions.append(Session(f"c{c}-s{sid}", 0.0, measured))
             sid += 1
         levels[c] = sessions
@@ -283,11 +287,6 @@ def trace_workload(spec: TraceBench, concurrencies: list[int], vocab_size: int) 
 def workload_from_declared(declared: dict, concurrencies: list[int], vocab_size: int) -> BenchWorkload:
     """A run's workload regenerated from what it declared (results.json's `workload`): the generators are
     deterministic, so this is token for token what the run replayed."""
-    if declared.get("kind") == "agent":
-        from kvprefetch.workload.agent import AgentBench, agent_workload
-
-        spec = AgentBench(**{f.name: declared[f.name] for f in fields(AgentBench) if f.name in declared})
-        return agent_workload(spec, list(concurrencies), vocab_size)
     trace = declared.get("kind") == "trace"  # else a chat-shaped workload: "chat", or its variants ("context")
     spec_cls, build = (TraceBench, trace_workload) if trace else (ChatBench, chat_workload)
     spec = spec_cls(**{f.name: declared[f.name] for f in fields(spec_cls) if f.name in declared})
