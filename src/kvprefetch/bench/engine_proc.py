@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvprefetch.bench.agent_client import AgentClient
 from kvprefetch.bench.probes import CpuMeter, HelperCpuMeter, StepRecorder, calibrate, local_cpu_s, random_prompt
 from kvprefetch.bench.sessions import SessionSchedule
 from kvprefetch.bench.stats import merge_snapshots
@@ -340,79 +341,6 @@ class Driver:
         return res
 
 
-class AgentClient:
-    """What the agent workload's client does beside sending its turns, and what the bench reads of the leases.
-
-    * With `warm_ttl_s`, a warm-up call when each tool call starts (a session's start, and each turn's finish),
-      naming the next turn's known head (`known_tokens`) as ``POST /v1/kvprefetch/warm`` would: this process is
-      the engine's scheduler process, so the call is the connector's own (`KVPrefetchConnector.warm`), the one
-      the API's handler makes.
-    * When the turn arrives, where its warm-up's chunks are (`hints`): in DRAM in time, late (still being read),
-      or wasted (the lease was gone: evicted for budget or expired, its reads for nothing).
-    * Every `SAMPLE_S`, the keys leases hold and reserve against their budget (`lease_samples`).
-    """
-
-    SAMPLE_S = 0.1
-
-    def __init__(self, sessions: list[dict], connector: Any, warm_ttl_s: float | None, tag: str):
-        self.sessions, self.conn, self.warm_ttl_s, self.tag = sessions, connector, warm_ttl_s, tag
-        self.calls: dict[tuple[int, int], dict] = {}  # (session, turn) -> its warm-up's answer
-        self.hints: list[dict] = []
-        self.lease_samples: list[tuple[float, int, int]] = []  # (t, keys pinned, keys reserved)
-        self.budget = int(connector.lease_stats().get("lease_budget_chunks", 0)) if connector else 0
-        self._next_sample = 0.0
-
-    def session_started(self, i: int, now: float) -> None:
-        self._warm(i, 0)
-
-    def turn_finished(self, i: int, k: int, now: float) -> None:
-        if k + 1 < len(self.sessions[i]["turns"]):
-            self._warm(i, k + 1)
-
-    def _warm(self, i: int, k: int) -> None:
-        turn = self.sessions[i]["turns"][k]
-        known = int(turn.get("known_tokens") or 0)
-        if self.warm_ttl_s is None or self.conn is None or known <= 0:
-            return
-        lease_id = f"{self.tag}-{self.sessions[i]['sid']}-t{k}"
-        self.calls[(i, k)] = self.conn.warm(turn["tokens"][:known], self.warm_ttl_s, lease_id).as_json()
-
-    def turn_arriving(self, i: int, k: int, now: float) -> None:
-        call = self.calls.pop((i, k), None)
-        if call is None:
-            return
-        status = self.conn.warm_status(call["id"])
-        reads = call["on_disk"] + call["remote"]
-        if status is None:  # the lease ended before its turn came: its reads were for nothing
-            self.hints.append({"chunks": call["chunks"], "reads": reads, "in_time": 0, "late": 0, "wasted": reads})
-            return
-        late = status.chunks - status.in_dram
-        self.hints.append({"chunks": call["chunks"], "reads": reads, "in_time": max(0, reads - late),
-                           "late": min(late, reads), "wasted": 0})  # fmt: skip
-
-    def sample(self, now: float) -> None:
-        if self.conn is None or now < self._next_sample:
-            return
-        self._next_sample = now + self.SAMPLE_S
-        st = self.conn.lease_stats()
-        self.lease_samples.append((round(now, 3), int(st.get("lease_chunks_pinned", 0)),
-                                   int(st.get("lease_chunks_reserved", 0))))  # fmt: skip
-
-    def summary(self) -> dict:
-        held = [p for _, p, _ in self.lease_samples]
-        reserved = [r for _, _, r in self.lease_samples]
-        step = max(1, len(self.lease_samples) // 300)  # a plot's worth
-        return {
-            "lease_budget_keys": self.budget,
-            "lease_peak_pinned_keys": max(held, default=0),
-            "lease_peak_reserved_keys": max(reserved, default=0),
-            "lease_mean_pinned_keys": sum(held) / len(held) if held else 0.0,
-            "lease_samples": self.lease_samples[::step],
-            "hints": len(self.hints),
-            **{f"hint_{k}": sum(h[k] for h in self.hints) for k in ("chunks", "reads", "in_time", "late", "wasted")},
-        }
-
-
 # ---- the stores -----------------------------------------------------------------------------------------------
 def _disk_keys(root: Path) -> list[bytes]:
     from kvprefetch.tiers.disk import chunk_keys
@@ -436,14 +364,16 @@ def preload_dram(max_chunks: int | None = None) -> dict:
 
 def cool_dram(child: EngineChild) -> dict:
     """Drop every chunk of the disk tier from the DRAM pool (writes flushed first): a cell then starts with
-    only the disk tier warm, as the first round's did. Pinned chunks stay (none between cells)."""
+    only the disk tier warm, as the first round's did. The leases of the cell before end first (they would carry
+    its chunks into this one); nothing else is pinned between cells."""
     c = _scheduler_connector()
     if c is None:
         return {"dropped": 0}
     store = c.store
     child.flush()  # (every process's: with the workers in other processes, they save)
+    leases = c.end_leases()
     keys = _disk_keys(Path(store.config.disk.path))
-    return {"dropped": sum(1 for k in keys if store.dram.discard(k))}
+    return {"dropped": sum(1 for k in keys if store.dram.discard(k)), "leases_ended": leases}
 
 
 PROBE_MIN_S = 2.0

@@ -349,6 +349,14 @@ class KVPrefetchConnector(KVConnectorBase_V1):
         """(Scheduler side) Leases now: how many, the keys they hold and will hold, the budget."""
         return self._sched.leases.snapshot() if self._sched is not None else {}
 
+    def end_leases(self) -> int:
+        """(Scheduler side) End every lease now (unpinning what they hold); how many there were."""
+        if self._sched is None:
+            return 0
+        n = len(self._sched.leases.describe())
+        self._sched.leases.close()
+        return n
+
     def wait_for_prefetches(self, timeout: float) -> bool:
         """(Scheduler side) Wait until every known request's reads into DRAM have finished; False on timeout."""
         return self._sched.wait_for_reads(timeout) if self._sched is not None else True
