@@ -23,12 +23,11 @@ returns much more (a file, a web page) is mostly prefill of new tokens, and ther
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from kvprefetch.workload.replay import BenchWorkload, Session, Turn
+from kvprefetch.workload.replay import BenchWorkload, Session, Turn, level_count
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ class AgentBench:
     seed: int = 0
 
     def sessions_for(self, concurrency: int) -> int:
-        return max(self.min_sessions, math.ceil(self.sessions_per_concurrency * concurrency))
+        return level_count(self.min_sessions, self.sessions_per_concurrency, concurrency)
 
     def prompt_tokens(self, turn: int) -> int:
         """Turn `turn`'s prompt length (turn 0: the task, in the prelude)."""

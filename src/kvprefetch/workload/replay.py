@@ -110,6 +110,11 @@ class BenchWorkload:
         return max((len(t.tokens) + t.max_tokens for t in self._turns()), default=1)
 
 
+def level_count(minimum: int, per_concurrency: float, concurrency: int) -> int:
+    """Sessions (or requests) a concurrency level gets: per_concurrency per client, at least minimum."""
+    return max(minimum, math.ceil(per_concurrency * concurrency))
+
+
 @dataclass(frozen=True)
 class ChatBench:
     """The bench's chat workload: declared sizes, and how many sessions each concurrency level gets."""
@@ -132,7 +137,7 @@ class ChatBench:
     prelude_turns: int | None = None
 
     def sessions_for(self, concurrency: int) -> int:
-        return max(self.min_sessions, math.ceil(self.sessions_per_concurrency * concurrency))
+        return level_count(self.min_sessions, self.sessions_per_concurrency, concurrency)
 
 
 CONTEXT = ChatBench(
@@ -228,7 +233,7 @@ class TraceBench:
     seed: int = 0
 
     def requests_for(self, concurrency: int) -> int:
-        return max(self.min_requests, math.ceil(self.requests_per_concurrency * concurrency))
+        return level_count(self.min_requests, self.requests_per_concurrency, concurrency)
 
 
 KV_MARGIN = 1.5
