@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvprefetch.bench.rounds import paired
+from kvprefetch.bench.rounds import find_row, paired
 
 PAIRS = (("warm", "dram"), ("warm", "prefetch"), ("lease", "prefetch"), ("lease", "dram"), ("prefetch", "dram"),
          ("warm", "recompute"), ("prefetch", "ondemand-sync"))  # fmt: skip
@@ -16,16 +16,12 @@ GOALS = (("warm", "dram", 1.10, None), ("warm", "prefetch", 0.60, 1), ("lease", 
 """(mode, baseline, largest TTFT p50 ratio, the one level it is judged at or None for every level)."""
 
 
-def _row(rows: list[dict], mode: str, c: int) -> dict | None:
-    return next((r for r in rows if r["mode"] == mode and r["concurrency"] == c and r.get("status") == "ok"), None)
-
-
 def ratios(rows: list[dict]) -> list[dict]:
     """Every pair of `PAIRS` at every level both ran: median of the rounds' ratios, range and verdict."""
     out = []
     for c in sorted({r["concurrency"] for r in rows if r.get("status") == "ok"}):
         for mode, base in PAIRS:
-            a, b = _row(rows, mode, c), _row(rows, base, c)
+            a, b = find_row(rows, mode, c), find_row(rows, base, c)
             if a is None or b is None:
                 continue
             for key in ("ttft_p50_s", "ttft_p90_s"):
@@ -56,6 +52,11 @@ def goals(rows: list[dict]) -> list[dict]:
 
 def lease_rows(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r.get("status") == "ok" and "lease_budget_keys" in r]
+
+
+def has_leases(rows: list[dict]) -> bool:
+    """Whether any cell measured leases (the agent workload, or the lease and warm modes on another)."""
+    return any("lease_budget_keys" in r for r in rows)
 
 
 def agent_lines(results: dict) -> list[str]:

@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvprefetch.bench.agent_report import agent_lines, has_leases, lease_plot
 from kvprefetch.bench.modes import known_failure
-from kvprefetch.bench.rounds import UNSTEADY_RATIO, paired, unsteady
+from kvprefetch.bench.rounds import UNSTEADY_RATIO, find_row, paired, unsteady
 from kvprefetch.bench.stats import ratio
 
 WHITEPAPER = {
@@ -93,14 +94,6 @@ def _ok(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r.get("status") == "ok"]
 
 
-def _find(rows: list[dict], mode: str, c: int, regime: Any = None) -> dict | None:
-    for r in rows:
-        if (r.get("mode") == mode and r.get("concurrency") == c and r.get("status") == "ok"
-                and (regime is None or r.get("regime") == regime)):  # fmt: skip
-            return r
-    return None
-
-
 def regimes_of(rows: list[dict]) -> list[Any]:
     """The regimes a run measured, in the order it ran them (the first is the run's own)."""
     return list(dict.fromkeys(r.get("regime") for r in rows))
@@ -135,11 +128,11 @@ def comparisons(rows: list[dict]) -> list[dict]:
     out = []
     levels = sorted({r["concurrency"] for r in _ok(rows)})
     for regime, c in ((g, c) for g in regimes_of(rows) for c in levels):
-        p = _find(rows, "prefetch", c, regime)
+        p = find_row(rows, "prefetch", c, regime)
         if p is None:
             continue
         for base in BASELINES:
-            b = _find(rows, base, c, regime)
+            b = find_row(rows, base, c, regime)
             if b is None:
                 continue
             ttft, thr = paired(p, b, "ttft_p50_s"), paired(p, b, "output_tok_s")
@@ -201,7 +194,7 @@ def storage_shares(rows: list[dict]) -> list[dict]:
     regimes = regimes_of(rows)
     out = []
     for c in sorted({r["concurrency"] for r in _ok(rows)}):
-        sync, dram = (_find(rows, m, c, regimes[0] if regimes else None) for m in ("ondemand-sync", "dram"))
+        sync, dram = (find_row(rows, m, c, regimes[0] if regimes else None) for m in ("ondemand-sync", "dram"))
         pr = paired(dram, sync, "ttft_p50_s") if sync and dram else None
         if pr is not None:
             out.append({"concurrency": c, "share": 1.0 - pr["ratio"], "range": (1.0 - pr["max"], 1.0 - pr["min"])})
@@ -376,9 +369,7 @@ def markdown_report(results: dict) -> str:
             lines += ["## Goals (issue 19), on this run's paired medians", "", "| goal | measured | met |",
                       "|---|---|---|"] + [f"| {x['goal']} | {x['measured']} | {'yes' if x['met'] else '**no**'} |"
                                           for x in g] + [""]  # fmt: skip
-    if w.get("kind") == "agent" or any("lease_budget_keys" in r for r in rows):
-        from kvprefetch.bench.agent_report import agent_lines
-
+    if w.get("kind") == "agent" or has_leases(rows):
         lines += agent_lines(results)
     preds = results.get("simulator_prediction")
     if preds:
@@ -651,10 +642,7 @@ def write_outputs(results: dict, out: Path) -> list[str]:
         (out / "calibration.json").write_text(json.dumps(results["calibration"], indent=2) + "\n")
         files.append("calibration.json")
     files += plots(results, out)
-    if any("lease_budget_keys" in r for r in results.get("rows", [])):
-        from kvprefetch.bench.agent_report import lease_plot
-
-        files += lease_plot(results, out)
+    files += lease_plot(results, out)
     (out / "report.md").write_text(markdown_report(results))
     files.append("report.md")
     return files

@@ -77,6 +77,15 @@ def unsteady(row: dict) -> list[str]:
     return out
 
 
+def find_row(rows: list[dict], mode: str, c: int, regime: Any = None) -> dict | None:
+    """The ok row of `mode` at concurrency `c` (in `regime`, when given)."""
+    for r in rows:
+        if (r.get("mode") == mode and r.get("concurrency") == c and r.get("status") == "ok"
+                and (regime is None or r.get("regime") == regime)):  # fmt: skip
+            return r
+    return None
+
+
 def paired(a: dict, b: dict, key: str) -> dict | None:
     """``a[key] / b[key]`` round by round (rounds both measured): median, min, max and the verdict."""
     ra, rb = a.get("by_round", {}).get(key, {}), b.get("by_round", {}).get(key, {})

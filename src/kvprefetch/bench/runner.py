@@ -317,7 +317,7 @@ class Bench:
         )
         heads = max(4, max(o.concurrency)) if o.agent is not None else 4  # agent: every active session's turn
         self.kv_cache_bytes = int(
-            o.kv_cache_bytes or heads * default_engine_kv_tokens(w.max_len()) // 4 * self.model.bytes_per_token
+            o.kv_cache_bytes or default_engine_kv_tokens(w.max_len(), heads) * self.model.bytes_per_token
         )
         self.sizing = self._store_sizing()
         self.modes = [m for m in o.modes if m in MODES]
@@ -767,11 +767,11 @@ class Bench:
         """A cell's lease and warm-up figures; DRAM held by leases is checked against its budget here."""
         if not agent:
             return {}
-        if agent["lease_peak_reserved_keys"] > agent["lease_budget_keys"]:
+        within = agent["lease_peak_reserved_keys"] <= agent["lease_budget_keys"]
+        if not within:
             self.notes.append(f"{mode} @ {c}: leases reserved {agent['lease_peak_reserved_keys']} DRAM slots, above "
                               f"their budget of {agent['lease_budget_keys']}")  # fmt: skip
-        return {k: v for k, v in agent.items()} | {
-            "lease_within_budget": agent["lease_peak_reserved_keys"] <= agent["lease_budget_keys"]}
+        return agent | {"lease_within_budget": within}
 
     def _settle(self, mode: str) -> None:
         """With the gpu-node topology, wait until another engine that ran last has stopped polling the model's

@@ -351,11 +351,7 @@ class KVPrefetchConnector(KVConnectorBase_V1):
 
     def end_leases(self) -> int:
         """(Scheduler side) End every lease now (unpinning what they hold); how many there were."""
-        if self._sched is None:
-            return 0
-        n = len(self._sched.leases.describe())
-        self._sched.leases.close()
-        return n
+        return self._sched.leases.close() if self._sched is not None else 0
 
     def wait_for_prefetches(self, timeout: float) -> bool:
         """(Scheduler side) Wait until every known request's reads into DRAM have finished; False on timeout."""

@@ -184,11 +184,13 @@ class Leases:
             self._unpin(lease)
         return len(gone)
 
-    def close(self) -> None:
+    def close(self) -> int:
+        """End every lease (unpinning what each holds); how many there were."""
         with self._lock:
             leases, self._by_id = list(self._by_id.values()), {}
         for lease in leases:
             self._unpin(lease)
+        return len(leases)
 
     def _unpin(self, lease: Lease) -> None:
         if lease.reads is not None:

@@ -240,9 +240,9 @@ KV_MARGIN = 1.5
 """A level's prompt tokens are at least this many times the engine's KV cache, so the engine cannot hold it."""
 
 
-def default_engine_kv_tokens(longest: int) -> int:
-    """The engine's KV cache by default: room for four of the longest requests (prompt and answer)."""
-    return 4 * -(-longest // 256) * 256
+def default_engine_kv_tokens(longest: int, requests: int = 4) -> int:
+    """The engine's KV cache by default: room for `requests` (four) of the longest requests (prompt and answer)."""
+    return requests * -(-longest // 256) * 256
 
 
 def find_trace(path: str | Path) -> Path:
