@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvprefetch.bench.runner import BenchOptions
+from kvprefetch.bench.plan import BenchOptions
 from kvprefetch.workload.agent import AgentBench
 
 pytest.importorskip("vllm")

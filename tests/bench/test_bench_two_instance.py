@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvprefetch.bench import protocol as P
 from kvprefetch.bench.modes import (
     MODES,
     TWO_INSTANCE_MODES,
@@ -17,7 +18,9 @@ from kvprefetch.bench.modes import (
     route_turn,
     two_instance_caches,
 )
-from kvprefetch.bench.runner import DEFAULT_MODES, drive_alternating, merge_snapshots
+from kvprefetch.bench.plan import DEFAULT_MODES
+from kvprefetch.bench.stats import merge_snapshots
+from kvprefetch.bench.two_instance import drive_alternating
 
 SIZING = StoreSizing(chunk_tokens=256, dram_bytes=64 << 20, disk_bytes=1 << 30)
 
@@ -97,22 +100,22 @@ class FakeEngine:
         self.t0 = 0.0
         self.pending: list[tuple[float, dict]] = []
 
-    def call(self, op, **kw):
-        assert op == "serve"
-        self.t0 = kw["t0"]
+    def call(self, req: P.Request):
+        assert isinstance(req, P.Serve)
+        self.t0 = req.t0
         return {"serving": True}
 
-    def send(self, op, **kw):
+    def send(self, req: P.Request):
         now = self.clock() - self.t0
-        if op == "end":
+        if isinstance(req, P.End):
             self.q.append({"served": True, "foreign_cpu_cores": 0.5 + self.name,
                            "before": {"counters": {"loaded_chunks": 1}},
                            "after": {"counters": {"loaded_chunks": 3 + self.name}}})  # fmt: skip
             return
-        assert op == "add" and kw["arrival"] <= now + 1e-9
-        self.log.append((self.name, kw["i"], kw["k"], kw["arrival"]))
-        rec = {"sid": f"s{kw['i']}", "turn": kw["k"], "session": kw["i"], "prompt_tokens": 10,
-               "arrival": kw["arrival"], "first_token": now + 0.1, "output_tokens": 2, "itl": [0.01],
+        assert isinstance(req, P.Add) and req.arrival <= now + 1e-9
+        self.log.append((self.name, req.i, req.k, req.arrival))
+        rec = {"sid": f"s{req.i}", "turn": req.k, "session": req.i, "prompt_tokens": 10,
+               "arrival": req.arrival, "first_token": now + 0.1, "output_tokens": 2, "itl": [0.01],
                "error": None}  # fmt: skip
         self.pending.append((now + self.latency, rec))
 

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from kvprefetch.bench.runner import BenchOptions
+from kvprefetch.bench.plan import BenchOptions
 from kvprefetch.workload.replay import ChatBench
 
 pytest.importorskip("vllm")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvprefetch.bench.plan import BenchOptions
 from kvprefetch.bench.regime import DEFAULT_REGIME, whitepaper_r2
-from kvprefetch.bench.runner import BenchOptions
 from kvprefetch.workload.replay import CONTEXT, CONTEXT_MAX_NUM_SEQS, chat_workload, reuse_summary
 
 

@@ -59,10 +59,11 @@ def test_io_threads_run_on_the_configured_cores_whatever_their_creator_is_bound_
 def test_a_cell_waits_for_another_engines_polling_to_stop_but_not_for_its_own():
     import time
 
-    from kvprefetch.bench.runner import ENGINE_SETTLE_S, Bench, BenchOptions
+    from kvprefetch.bench.plan import BenchOptions
+    from kvprefetch.bench.runner import ENGINE_SETTLE_S, Bench
 
     bench = Bench(BenchOptions(modes=["ondemand", "prefetch"], concurrency=[2], topology="gpu-node"))
-    assert bench.topology.kind == "gpu-node"
+    assert bench.plan.topology.kind == "gpu-node"
 
     def settle(mode: str) -> float:
         t0 = time.monotonic()

@@ -24,7 +24,7 @@ def prompt(seed: int, n: int) -> list[int]:
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
-    from vllm_engine_runner import make_model
+    from tiny_llama import make_model
 
     d = tmp_path_factory.mktemp("model")
     make_model(str(d))

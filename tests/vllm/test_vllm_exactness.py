@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvprefetch.bench.protocol import Completion, CountersReply, Warm
+
 pytest.importorskip("vllm")
 
 from conftest import CHUNK, DRAM_CHUNKS, corrupt_disk_tier, prompt
@@ -26,22 +28,22 @@ TOL = 1e-5  # logprob tolerance (observed: 0.0)
 _ref_cache: dict[tuple, dict] = {}
 
 
-def reference(engines, p: list[int], max_tokens: int = 8) -> dict:
+def reference(engines, p: list[int], max_tokens: int = 8) -> Completion:
     key = (tuple(p), max_tokens)
     if key not in _ref_cache:
         _ref_cache[key] = engines.get("reference").generate([p], max_tokens)[0]
     return _ref_cache[key]
 
 
-def assert_same(out: dict, ref: dict) -> None:
-    assert out["token_ids"] == ref["token_ids"]
-    assert len(out["logprobs"]) == len(ref["logprobs"])
-    diff = max(abs(a - b) for a, b in zip(out["logprobs"], ref["logprobs"], strict=True))
+def assert_same(out: Completion, ref: Completion) -> None:
+    assert out.token_ids == ref.token_ids
+    assert len(out.logprobs) == len(ref.logprobs)
+    diff = max(abs(a - b) for a, b in zip(out.logprobs, ref.logprobs, strict=True))
     assert diff <= TOL, f"logprobs differ by {diff}"
 
 
-def delta(after: dict, before: dict) -> dict:
-    return {k: after["counters"][k] - before["counters"][k] for k in after["counters"]}
+def delta(after: CountersReply, before: CountersReply) -> dict:
+    return {k: after.counters[k] - before.counters[k] for k in after.counters}
 
 
 def evict_dram(e, seed0: int) -> None:
@@ -93,9 +95,9 @@ def test_c_disk_hit_after_dram_eviction(engines):
     assert_same(e.generate([P])[0], reference(engines, P))
     after = e.counters()
     d = delta(after, before)
-    assert d["worker_loaded_chunks"] == 4, (d, after["cost"])
+    assert d["worker_loaded_chunks"] == 4, (d, after.cost)
     assert d["async_loads"] == 1  # the chunks had to come up from disk
-    promoted = after["stores"]["scheduler"]["promoted"] + after["stores"]["worker"]["promoted"]
+    promoted = after.stores["scheduler"]["promoted"] + after.stores["worker"]["promoted"]
     assert promoted >= 4
 
 
@@ -108,10 +110,10 @@ def test_g_a_warmed_load_equals_recompute(engines):
     e.generate([w], 1)
     evict_dram(e, 700)
     before = e.counters()
-    res = e.call(op="warm", tokens=w, ttl_s=30, wait=60)
-    assert res["warm"]["chunks"] == 4 and res["warm"]["on_disk"] == 4 and res["warm"]["missing"] == 0, res
-    assert res["now"]["in_dram"] == 4, res  # the reads landed (and were pinned) within the wait
-    assert res["leases"]["lease_chunks_pinned"] == 4
+    res = e.call(Warm(tokens=w, ttl_s=30, wait=60))
+    assert res.warm["chunks"] == 4 and res.warm["on_disk"] == 4 and res.warm["missing"] == 0, res
+    assert res.now["in_dram"] == 4, res  # the reads landed (and were pinned) within the wait
+    assert res.leases["lease_chunks_pinned"] == 4
     assert_same(e.generate([w])[0], reference(engines, w))
     after = e.counters()
     d = delta(after, before)
@@ -148,7 +150,7 @@ def test_f_disk_broken_mid_run(engines, disk_dir):
     before = e.counters()
     assert_same(e.generate([s])[0], reference(engines, s))
     after = e.counters()
-    store_errors = after["stores"]["scheduler"]["load_errors"] + after["stores"]["worker"]["load_errors"]
+    store_errors = after.stores["scheduler"]["load_errors"] + after.stores["worker"]["load_errors"]
     assert store_errors > 0 or delta(after, before)["load_error_chunks"] > 0
 
 
@@ -201,7 +203,7 @@ def test_sync_mode_dram_and_disk_hits(engines):
     assert d["sync_loads"] == 1 and d["async_loads"] == 0 and d["prefetched_chunks"] == 0
     assert d["demand_reads"] == 1 and d["worker_loaded_chunks"] == 4 and d["load_error_chunks"] == 0
     # That read measured the throttled disk (4 MB/s), replacing the 1 GB/s prior.
-    assert after["cost"]["disk_samples"] >= 1 and after["cost"]["disk_bps"] < 20e6, after["cost"]
+    assert after.cost["disk_samples"] >= 1 and after.cost["disk_bps"] < 20e6, after.cost
 
 
 def test_a_late_prefetch_on_an_idle_engine_finishes_in_the_step_instead_of_parking(engines):
@@ -226,7 +228,7 @@ def test_rule_recomputes_hits_on_a_slow_disk(engines):
     e = engines.get("sync_slow_disk")
     q = prompt(7, LEN)  # saved by the previous test, evicted from DRAM since: on disk only
     before = e.counters()
-    assert before["cost"]["prefill_tps"] and before["cost"]["disk_bps"] < 20e6
+    assert before.cost["prefill_tps"] and before.cost["disk_bps"] < 20e6
     assert_same(e.generate([q])[0], reference(engines, q))
     d = delta(e.counters(), before)
     assert d["recomputed_slower_chunks"] == 4, d
@@ -235,3 +237,18 @@ def test_rule_recomputes_hits_on_a_slow_disk(engines):
     assert_same(e.generate([q])[0], reference(engines, q))  # now saved again, in DRAM: loading pays
     d = delta(e.counters(), before)
     assert d["worker_loaded_chunks"] == 4 and d["recomputed_slower_chunks"] == 0
+
+
+def test_an_engine_refuses_a_request_it_cannot_read_and_carries_on(engines):
+    """A line that is not a request of the protocol gets an error reply naming why; the engine serves on."""
+    from kvprefetch.bench.client import EngineError
+
+    e = engines.get("reference")
+    p = prompt(4242, 300)
+    ref = reference(engines, p, 4)
+    for line, why in (('{"op": "explode"}', "unknown op 'explode'"), ('{"op": "generate", "prompt": [1]}', "prompts")):
+        e.proc.stdin.write(line + "\n")
+        e.proc.stdin.flush()
+        with pytest.raises(EngineError, match=why):
+            e.poll(timeout=60)
+    assert_same(e.generate([p], 4)[0], ref)

@@ -26,7 +26,7 @@ def start(model_dir, logs, name: str, extra: dict) -> Engine:
 
 
 def store_counter(e: Engine, name: str) -> int:
-    stores = e.counters()["stores"]
+    stores = e.counters().stores
     return sum((s or {}).get(name, 0) for s in stores.values())
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvprefetch.bench.protocol import Completion, CountersReply, Generate
+
 pytest.importorskip("vllm")
 
 from conftest import CHUNK, prompt
@@ -35,23 +37,23 @@ def close_tp2_engines(engines):
         engines.close(name)
 
 
-def reference(engines, p: list[int], max_tokens: int = 8) -> dict:
+def reference(engines, p: list[int], max_tokens: int = 8) -> Completion:
     key = (tuple(p), max_tokens)
     if key not in _ref:
         _ref[key] = engines.get("tp2_reference").generate([p], max_tokens)[0]
     return _ref[key]
 
 
-def snap(e) -> dict:
+def snap(e) -> CountersReply:
     return e.counters()
 
 
-def rank_delta(after: dict, before: dict) -> dict[str, dict[str, int]]:
-    return {r: {k: v - before["ranks"][r][k] for k, v in after["ranks"][r].items()} for r in RANKS}
+def rank_delta(after: CountersReply, before: CountersReply) -> dict[str, dict[str, int]]:
+    return {r: {k: v - before.ranks[r][k] for k, v in after.ranks[r].items()} for r in RANKS}
 
 
-def delta(after: dict, before: dict) -> dict[str, int]:
-    return {k: after["counters"][k] - before["counters"][k] for k in after["counters"]}
+def delta(after: CountersReply, before: CountersReply) -> dict[str, int]:
+    return {k: after.counters[k] - before.counters[k] for k in after.counters}
 
 
 def evict_dram(e, seed0: int) -> None:
@@ -106,9 +108,9 @@ def test_tp2_queued_requests_chunks_reach_dram_for_both_ranks_first(engines):
         e.generate([r], 1)
     evict_dram(e, 2100)
     before = snap(e)
-    res = e.call(op="generate", prompts=rs, max_tokens=8, hold_until_prefetched=True)
+    res = e.call(Generate(prompts=rs, max_tokens=8, hold_until_prefetched=True))
     after = snap(e)
-    assert res["prefetches_landed"] is True
+    assert res.prefetches_landed is True
     d = delta(after, before)
     assert d["prefetch_in_time"] == 2 and d["prefetch_late"] == 0, d
     assert d["loaded_chunks"] == 2 * N
@@ -116,7 +118,7 @@ def test_tp2_queued_requests_chunks_reach_dram_for_both_ranks_first(engines):
         assert rd["prefetched_chunks"] == 2 * N, (r, rd)  # every rank's part came up from disk ...
         assert rd["reached_hit_chunks"] == 2 * N and rd["reached_in_dram_chunks"] == 2 * N, (r, rd)  # ... in time
         assert rd["loaded_chunks"] == 2 * N, (r, rd)
-    for r, o in zip(rs, res["outputs"], strict=True):
+    for r, o in zip(rs, res.outputs, strict=True):
         assert_same(o, reference(engines, r))
 
 

@@ -1,90 +1,30 @@
-"""Start and talk to `engine_runner.py` processes."""
+"""The tests' vLLM engines: the bench's engine process (`kvprefetch.bench.engine_proc`), spoken to in its protocol
+(`kvprefetch.bench.protocol`), with the tests' defaults (float32, no prefix cache: each request's KV comes from the
+connector or is computed)."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import queue
-import subprocess
-import sys
-import threading
 from pathlib import Path
+from typing import Any
 
-RUNNER = Path(__file__).with_name("vllm_engine_runner.py")
-MARK = "@@KVP "
+from kvprefetch.bench import protocol as P
+from kvprefetch.bench.client import EngineProcess
+
+TEST_DEFAULTS: dict[str, Any] = {"dtype": "float32", "enable_prefix_caching": False}
 
 
-class Engine:
+class Engine(EngineProcess):
     def __init__(self, spec: dict, log_path: Path, timeout: float = 300):
-        self.spec = spec
-        self.log_path = log_path
-        env = dict(os.environ)
-        env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-        env["PYTHONUNBUFFERED"] = "1"
-        self._log = open(log_path, "w")  # noqa: SIM115  (closed in close())
-        self.proc = subprocess.Popen(
-            [sys.executable, str(RUNNER), json.dumps(spec)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            env=env,
-        )
-        self._q: queue.Queue = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        self._wait(timeout)
+        super().__init__(P.EngineSpec(**(TEST_DEFAULTS | spec)), log_path, start_timeout=timeout, log_level="INFO")
 
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(MARK):
-                self._q.put(json.loads(line[len(MARK) :]))
-            else:
-                self._log.write(line)
-        self._q.put(None)
+    def generate(self, prompts: list[list[int]], max_tokens: int = 8, **kw) -> list[P.Completion]:
+        return self.call(P.Generate(prompts=prompts, max_tokens=max_tokens, **kw), timeout=300).outputs
 
-    def _wait(self, timeout: float) -> dict:
-        try:
-            msg = self._q.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"engine did not answer in {timeout}s; log: {self.log_path}") from None
-        if msg is None:
-            raise RuntimeError(f"engine exited; log tail:\n{self.tail()}")
-        return msg
-
-    def tail(self, n: int = 60) -> str:
-        self._log.flush()
-        try:
-            return "".join(self.log_path.read_text().splitlines(True)[-n:])
-        except OSError:
-            return ""
-
-    def call(self, timeout: float = 300, **cmd) -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._wait(timeout)
-
-    def generate(self, prompts, max_tokens: int = 8, **kw) -> list[dict]:
-        return self.call(op="generate", prompts=prompts, max_tokens=max_tokens, **kw)["outputs"]
-
-    def counters(self) -> dict:
-        return self.call(op="counters")
+    def counters(self) -> P.CountersReply:
+        return self.call(P.Counters(), timeout=300)
 
     def flush(self) -> bool:
-        return self.call(op="flush")["flushed"]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(Exception):
-                self.call(op="exit", timeout=60)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        return self.call(P.Flush(), timeout=300).flushed
 
 
 def connector_config(extra: dict) -> dict:

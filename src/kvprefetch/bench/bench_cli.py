@@ -1,17 +1,49 @@
-"""`kvprefetch bench`: the command line around `kvprefetch.bench.runner`."""
+"""`kvprefetch bench`: the command line around `kvprefetch.bench.runner`.
+
+The command's options are read into `BenchArgs` (as typed), and `bench_options` turns them into the run's
+`BenchOptions` in small steps (the modes, the regimes, the workload, the sizes), each returning its part.
+Choices are enums, so typer names the valid values itself.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
+if TYPE_CHECKING:
+    from kvprefetch.bench.plan import BenchOptions
+    from kvprefetch.workload.agent import AgentBench
+    from kvprefetch.workload.replay import ChatBench, TraceBench
+
 console = Console()
+
+
+class Workload(StrEnum):
+    context = "context"
+    chat = "chat"
+    agent = "agent"
+
+
+class Topology(StrEnum):
+    gpu_node = "gpu-node"
+    shared = "shared"
+
+
+class Scenario(StrEnum):
+    single = "single"
+    two_instance = "two-instance"
+
+
+class RemoteBackend(StrEnum):
+    redis = "redis"
+    mooncake = "mooncake"
 
 
 def parse_engine_args(items: list[str]) -> dict:
@@ -38,265 +70,428 @@ def parse_list(text: str) -> list[int]:
     return vals
 
 
+# ---- the options ------------------------------------------------------------------------------------------------
+ModeOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--mode",
+        "-m",
+        help="Modes to run (repeat or comma list); "
+        "default: all (recompute, ondemand-serial, ondemand-sync, ondemand, prefetch, dram, "
+        "vllm-example, lmcache); "
+        "opt-in: prefetch-remote, shared-2x, private-2x.",
+    ),
+]
+ConcurrencyOpt = Annotated[
+    str | None, typer.Option(help="Concurrency levels, e.g. 1,8,16,32 (the default).")
+]
+RegimeOpt = Annotated[
+    str,
+    typer.Option(
+        help="R = recompute time / slowest-tier load time per chunk, enforced by a read throttle; "
+        "'native' for none. Default: the whitepaper's R2 (18.2, derived in report.md). A list (e.g. "
+        "18.2,3,1,native) sweeps: every regime on the same engines, the goals judged in the first, and "
+        "report.md plots prefetch against ondemand-sync and dram over R (regime_sweep.png)."
+    ),
+]
+WorkloadOpt = Annotated[
+    Workload,
+    typer.Option(
+        help="'context' (default: the whitepaper's R2 shape, a long stored context + 32 new tokens, "
+        "the engine batching 4), 'chat' (multi-turn sessions, nothing queues) or 'agent' (sessions of "
+        "turns separated by tool calls, --gap-s; modes recompute, ondemand-sync, prefetch, lease, warm, "
+        "dram at concurrency 1,8 unless -m/--concurrency say otherwise)."
+    ),
+]
+GapSOpt = Annotated[
+    str,
+    typer.Option(help="Agent: a tool call's duration in seconds, uniform in MIN-MAX (e.g. 0.5-3, the "
+                 "default), or one value (0: no gap, nothing to hide)."),
+]
+DramLifeSOpt = Annotated[
+    float,
+    typer.Option(min=0.0, help="Agent: other traffic on the node's DRAM tier, as how long an unpinned chunk "
+                 "lasts after its last use (default 0.4 s: below the shortest tool gap)."),
+]
+RepeatsOpt = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        help="Rounds of every cell, modes interleaved within each round; medians, min-max and paired "
+        "ratios are reported (default 3; 1 with --quick).",
+    ),
+]
+TopologyOpt = Annotated[
+    Topology,
+    typer.Option(
+        help="'gpu-node' (default: the model computes on cores of its own, in vLLM's worker process, "
+        "while the client, the scheduler and the connector's threads run on the rest, as host and "
+        "accelerator divide the work on a GPU node) or 'shared' (every thread on every core)."
+    ),
+]
+ModelOpt = Annotated[
+    str | None, typer.Option(help="Model path or name (default: the packaged tiny dummy Llama).")
+]
+EngineArgOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--engine-arg",
+        help="vLLM engine argument key=value (repeatable), e.g. dtype=bfloat16, tensor_parallel_size=2.",
+    ),
+]
+OutOpt = Annotated[
+    Path | None, typer.Option(help="Output directory (default: bench-results/<timestamp>/).")
+]
+QuickOpt = Annotated[
+    bool,
+    typer.Option(
+        "--quick",
+        help="Two concurrency levels, fewer sessions, one round, one engine calibrated, and without the "
+        "other projects' connectors unless -m names them (~5 min here).",
+    ),
+]
+TraceOpt = Annotated[
+    Path | None, typer.Option(help="Replay a Mooncake-format trace instead of synthetic chat.")
+]
+TraceLengthScaleOpt = Annotated[
+    float | None,
+    typer.Option(help="Trace token lengths x this; a 512-token block must stay a whole number of chunks "
+                 "(default: one chunk a block)."),
+]
+TraceTimeScaleOpt = Annotated[
+    float, typer.Option(help="Trace arrival times x this (with --trace-timestamps and --trace-utilisation 0).")
+]
+TraceTimestampsOpt = Annotated[
+    bool, typer.Option(help="Honour trace arrival times (else: as fast as the concurrency allows).")
+]
+TraceUtilisationOpt = Annotated[
+    float,
+    typer.Option(help="With --trace-timestamps: scale arrival times so recomputing each level would keep "
+                 "the engine this busy (0: use --trace-time-scale as given)."),
+]
+TraceWindowStartOpt = Annotated[
+    float, typer.Option(help="Measure conversations from this share of the trace's time span on.")
+]
+TraceMaxPromptTokensOpt = Annotated[
+    int, typer.Option(help="Leave out conversations with a longer (scaled) prompt.")
+]
+SystemTokensOpt = Annotated[int | None, typer.Option(help="Chat: shared system prompt tokens.")]
+HistoryTokensOpt = Annotated[
+    int | None, typer.Option(help="Chat: first (long) message tokens (agent: the task context).")
+]
+UserTokensOpt = Annotated[
+    int | None, typer.Option(help="Chat: follow-up message tokens (agent: a tool's result).")
+]
+OutputTokensOpt = Annotated[
+    int | None, typer.Option(help="Chat: answer tokens (agent: the model's answer per turn).")
+]
+TurnsOpt = Annotated[int | None, typer.Option(help="Chat (and agent): measured turns per session.")]
+ThinkSOpt = Annotated[float | None, typer.Option(help="Chat: mean think time between turns (s).")]
+SessionsPerConcurrencyOpt = Annotated[
+    float | None, typer.Option(help="Chat: sessions per level = max(min, this x concurrency).")
+]
+NoReuseOpt = Annotated[
+    bool,
+    typer.Option(
+        "--no-reuse",
+        help="Chat without any reuse (no prelude, no system prompt, one turn): "
+        "the cost of the connector on misses.",
+    ),
+]
+ChunkTokensOpt = Annotated[
+    int | None, typer.Option(help="kvprefetch chunk size in tokens (default 256; 128 with --trace).")
+]
+KvCacheOpt = Annotated[
+    str | None, typer.Option(help="Engine KV cache size (default: 4 longest requests).")
+]
+DramOpt = Annotated[
+    str | None,
+    typer.Option(help="DRAM tier size of the non-dram modes (default: 1.5x the in-flight requests' KV)."),
+]
+CacheDirOpt = Annotated[Path | None, typer.Option(help="Where the disk tiers go (default: the temp dir).")]
+KeepCacheOpt = Annotated[bool, typer.Option(help="Keep the disk tiers and engine logs.")]
+StepLogOpt = Annotated[
+    bool,
+    typer.Option(
+        help="Record every engine step (batch, time) to <out>/steps/; `kvprefetch sim "
+        "--scenario bench` then checks its step model on them."
+    ),
+]
+CellTimeoutOpt = Annotated[float, typer.Option(help="Seconds one mode x concurrency may take.")]
+ScenarioOpt = Annotated[
+    Scenario,
+    typer.Option(
+        help="'single' (default: one engine per mode) or 'two-instance': two engines at once, turns "
+        "alternating between them, with one shared node-local cache (shared-2x) and with a cache each "
+        "(private-2x); runs only those two unless -m adds modes; there the prelude holds only each "
+        "conversation's first message and --turns defaults to 4."
+    ),
+]
+RemoteBackendOpt = Annotated[
+    RemoteBackend, typer.Option(help="Server of the prefetch-remote mode (-m prefetch-remote): redis or mooncake.")
+]
+
+
+@dataclass(frozen=True)
+class BenchArgs:
+    """The command's options as typed (`bench`'s parameters, one for one)."""
+
+    mode: list[str] | None = None
+    concurrency: str | None = None
+    regime: str = "18.2"
+    workload: Workload = Workload.context
+    gap_s: str = "0.5-3"
+    dram_life_s: float = 0.4
+    repeats: int | None = None
+    topology: Topology = Topology.gpu_node
+    model: str | None = None
+    engine_arg: list[str] | None = None
+    out: Path | None = None
+    quick: bool = False
+    trace: Path | None = None
+    trace_length_scale: float | None = None
+    trace_time_scale: float = 1.0
+    trace_timestamps: bool = False
+    trace_utilisation: float = 0.8
+    trace_window_start: float = 0.3
+    trace_max_prompt_tokens: int = 2048
+    system_tokens: int | None = None
+    history_tokens: int | None = None
+    user_tokens: int | None = None
+    output_tokens: int | None = None
+    turns: int | None = None
+    think_s: float | None = None
+    sessions_per_concurrency: float | None = None
+    no_reuse: bool = False
+    chunk_tokens: int | None = None
+    kv_cache: str | None = None
+    dram: str | None = None
+    cache_dir: Path | None = None
+    keep_cache: bool = False
+    step_log: bool = False
+    cell_timeout: float = 1800
+    scenario: Scenario = Scenario.single
+    remote_backend: RemoteBackend = RemoteBackend.redis
+
+    @property
+    def two_instance(self) -> bool:
+        return self.scenario == Scenario.two_instance
+
+    @property
+    def turns_asked(self) -> int | None:
+        """--turns, or 4 for the two-instance scenario (each engine serves every other turn)."""
+        return self.turns if self.turns is not None or not self.two_instance else 4
+
+
+def bench(
+    mode: ModeOpt = None,
+    concurrency: ConcurrencyOpt = None,
+    regime: RegimeOpt = "18.2",
+    workload: WorkloadOpt = Workload.context,
+    gap_s: GapSOpt = "0.5-3",
+    dram_life_s: DramLifeSOpt = 0.4,
+    repeats: RepeatsOpt = None,
+    topology: TopologyOpt = Topology.gpu_node,
+    model: ModelOpt = None,
+    engine_arg: EngineArgOpt = None,
+    out: OutOpt = None,
+    quick: QuickOpt = False,
+    trace: TraceOpt = None,
+    trace_length_scale: TraceLengthScaleOpt = None,
+    trace_time_scale: TraceTimeScaleOpt = 1.0,
+    trace_timestamps: TraceTimestampsOpt = False,
+    trace_utilisation: TraceUtilisationOpt = 0.8,
+    trace_window_start: TraceWindowStartOpt = 0.3,
+    trace_max_prompt_tokens: TraceMaxPromptTokensOpt = 2048,
+    system_tokens: SystemTokensOpt = None,
+    history_tokens: HistoryTokensOpt = None,
+    user_tokens: UserTokensOpt = None,
+    output_tokens: OutputTokensOpt = None,
+    turns: TurnsOpt = None,
+    think_s: ThinkSOpt = None,
+    sessions_per_concurrency: SessionsPerConcurrencyOpt = None,
+    no_reuse: NoReuseOpt = False,
+    chunk_tokens: ChunkTokensOpt = None,
+    kv_cache: KvCacheOpt = None,
+    dram: DramOpt = None,
+    cache_dir: CacheDirOpt = None,
+    keep_cache: KeepCacheOpt = False,
+    step_log: StepLogOpt = False,
+    cell_timeout: CellTimeoutOpt = 1800,
+    scenario: ScenarioOpt = Scenario.single,
+    remote_backend: RemoteBackendOpt = RemoteBackend.redis,
+) -> None:
+    """The main benchmark: TTFT and throughput of tiered prefetch vs recompute, on-demand loads, all-in-DRAM and
+    vLLM's own connector, on real vLLM engines, over a concurrency sweep, in a declared storage regime."""
+    args = BenchArgs(**locals())
+    run_and_report(bench_options(args))
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("bench")
-    def bench(
-        mode: Annotated[
-            list[str] | None,
-            typer.Option(
-                "--mode",
-                "-m",
-                help="Modes to run (repeat or comma list); "
-                "default: all (recompute, ondemand-serial, ondemand-sync, ondemand, prefetch, dram, "
-                "vllm-example, lmcache); "
-                "opt-in: prefetch-remote, shared-2x, private-2x.",
-            ),
-        ] = None,
-        concurrency: Annotated[
-            str | None, typer.Option(help="Concurrency levels, e.g. 1,8,16,32 (the default).")
-        ] = None,
-        regime: Annotated[
-            str,
-            typer.Option(
-                help="R = recompute time / slowest-tier load time per chunk, enforced by a read throttle; "
-                "'native' for none. Default: the whitepaper's R2 (18.2, derived in report.md). A list (e.g. "
-                "18.2,3,1,native) sweeps: every regime on the same engines, the goals judged in the first, and "
-                "report.md plots prefetch against ondemand-sync and dram over R (regime_sweep.png)."
-            ),
-        ] = "18.2",
-        workload: Annotated[
-            str,
-            typer.Option(
-                help="'context' (default: the whitepaper's R2 shape, a long stored context + 32 new tokens, "
-                "the engine batching 4), 'chat' (multi-turn sessions, nothing queues) or 'agent' (sessions of "
-                "turns separated by tool calls, --gap-s; modes recompute, ondemand-sync, prefetch, lease, warm, "
-                "dram at concurrency 1,8 unless -m/--concurrency say otherwise)."
-            ),
-        ] = "context",
-        gap_s: Annotated[
-            str,
-            typer.Option(help="Agent: a tool call's duration in seconds, uniform in MIN-MAX (e.g. 0.5-3, the "
-                         "default), or one value (0: no gap, nothing to hide)."),
-        ] = "0.5-3",
-        dram_life_s: Annotated[
-            float,
-            typer.Option(min=0.0, help="Agent: other traffic on the node's DRAM tier, as how long an unpinned chunk "
-                         "lasts after its last use (default 0.4 s: below the shortest tool gap)."),
-        ] = 0.4,
-        repeats: Annotated[
-            int | None,
-            typer.Option(
-                min=1,
-                help="Rounds of every cell, modes interleaved within each round; medians, min-max and paired "
-                "ratios are reported (default 3; 1 with --quick).",
-            ),
-        ] = None,
-        topology: Annotated[
-            str,
-            typer.Option(
-                help="'gpu-node' (default: the model computes on cores of its own, in vLLM's worker process, "
-                "while the client, the scheduler and the connector's threads run on the rest, as host and "
-                "accelerator divide the work on a GPU node) or 'shared' (every thread on every core)."
-            ),
-        ] = "gpu-node",
-        model: Annotated[
-            str | None, typer.Option(help="Model path or name (default: the packaged tiny dummy Llama).")
-        ] = None,
-        engine_arg: Annotated[
-            list[str] | None,
-            typer.Option(
-                "--engine-arg",
-                help="vLLM engine argument key=value (repeatable), e.g. dtype=bfloat16, tensor_parallel_size=2.",
-            ),
-        ] = None,
-        out: Annotated[
-            Path | None, typer.Option(help="Output directory (default: bench-results/<timestamp>/).")
-        ] = None,
-        quick: Annotated[
-            bool,
-            typer.Option(
-                "--quick",
-                help="Two concurrency levels, fewer sessions, one round, one engine calibrated, and without the "
-                "other projects' connectors unless -m names them (~5 min here).",
-            ),
-        ] = False,
-        trace: Annotated[
-            Path | None, typer.Option(help="Replay a Mooncake-format trace instead of synthetic chat.")
-        ] = None,
-        trace_length_scale: Annotated[
-            float | None,
-            typer.Option(help="Trace token lengths x this; a 512-token block must stay a whole number of chunks "
-                         "(default: one chunk a block)."),
-        ] = None,
-        trace_time_scale: Annotated[
-            float, typer.Option(help="Trace arrival times x this (with --trace-timestamps and --trace-utilisation 0).")
-        ] = 1.0,
-        trace_timestamps: Annotated[
-            bool, typer.Option(help="Honour trace arrival times (else: as fast as the concurrency allows).")
-        ] = False,
-        trace_utilisation: Annotated[
-            float,
-            typer.Option(help="With --trace-timestamps: scale arrival times so recomputing each level would keep "
-                         "the engine this busy (0: use --trace-time-scale as given)."),
-        ] = 0.8,
-        trace_window_start: Annotated[
-            float, typer.Option(help="Measure conversations from this share of the trace's time span on.")
-        ] = 0.3,
-        trace_max_prompt_tokens: Annotated[
-            int, typer.Option(help="Leave out conversations with a longer (scaled) prompt.")
-        ] = 2048,
-        system_tokens: Annotated[int | None, typer.Option(help="Chat: shared system prompt tokens.")] = None,
-        history_tokens: Annotated[
-            int | None, typer.Option(help="Chat: first (long) message tokens (agent: the task context).")
-        ] = None,
-        user_tokens: Annotated[
-            int | None, typer.Option(help="Chat: follow-up message tokens (agent: a tool's result).")
-        ] = None,
-        output_tokens: Annotated[
-            int | None, typer.Option(help="Chat: answer tokens (agent: the model's answer per turn).")
-        ] = None,
-        turns: Annotated[int | None, typer.Option(help="Chat (and agent): measured turns per session.")] = None,
-        think_s: Annotated[float | None, typer.Option(help="Chat: mean think time between turns (s).")] = None,
-        sessions_per_concurrency: Annotated[
-            float | None, typer.Option(help="Chat: sessions per level = max(min, this x concurrency).")
-        ] = None,
-        no_reuse: Annotated[
-            bool,
-            typer.Option(
-                "--no-reuse",
-                help="Chat without any reuse (no prelude, no system prompt, one turn): "
-                "the cost of the connector on misses.",
-            ),
-        ] = False,
-        chunk_tokens: Annotated[
-            int | None, typer.Option(help="kvprefetch chunk size in tokens (default 256; 128 with --trace).")
-        ] = None,
-        kv_cache: Annotated[
-            str | None, typer.Option(help="Engine KV cache size (default: 4 longest requests).")
-        ] = None,
-        dram: Annotated[
-            str | None,
-            typer.Option(help="DRAM tier size of the non-dram modes (default: 1.5x the in-flight requests' KV)."),
-        ] = None,
-        cache_dir: Annotated[Path | None, typer.Option(help="Where the disk tiers go (default: the temp dir).")] = None,
-        keep_cache: Annotated[bool, typer.Option(help="Keep the disk tiers and engine logs.")] = False,
-        step_log: Annotated[
-            bool,
-            typer.Option(
-                help="Record every engine step (batch, time) to <out>/steps/; `kvprefetch sim "
-                "--scenario bench` then checks its step model on them."
-            ),
-        ] = False,
-        cell_timeout: Annotated[float, typer.Option(help="Seconds one mode x concurrency may take.")] = 1800,
-        scenario: Annotated[
-            str,
-            typer.Option(
-                help="'single' (default: one engine per mode) or 'two-instance': two engines at once, turns "
-                "alternating between them, with one shared node-local cache (shared-2x) and with a cache each "
-                "(private-2x); runs only those two unless -m adds modes; there the prelude holds only each "
-                "conversation's first message and --turns defaults to 4."
-            ),
-        ] = "single",
-        remote_backend: Annotated[
-            str, typer.Option(help="Server of the prefetch-remote mode (-m prefetch-remote): redis or mooncake.")
-        ] = "redis",
-    ) -> None:
-        """The main benchmark: TTFT and throughput of tiered prefetch vs recompute, on-demand loads, all-in-DRAM and
-        vLLM's own connector, on real vLLM engines, over a concurrency sweep, in a declared storage regime."""
-        from kvprefetch.bench.modes import MODES, PEER_MODES, TWO_INSTANCE_MODES
-        from kvprefetch.bench.regime import parse_regime
-        from kvprefetch.bench.runner import QUICK_CONCURRENCY, BenchOptions
-        from kvprefetch.bench.topology import TOPOLOGIES
-        from kvprefetch.cli_args import parse_size
-        from kvprefetch.workload.replay import ChatBench, TraceBench
+    app.command("bench")(bench)
 
-        modes = [m.strip() for item in (mode or []) for m in item.split(",") if m.strip()]
-        for m in modes:
-            if m not in MODES:
-                raise typer.BadParameter(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
-        if scenario not in ("single", "two-instance"):
-            raise typer.BadParameter(f"--scenario is 'single' or 'two-instance', got {scenario!r}")
-        if remote_backend not in ("redis", "mooncake"):
-            raise typer.BadParameter(f"--remote-backend is 'redis' or 'mooncake', got {remote_backend!r}")
-        if scenario == "two-instance":
-            modes = [m for m in modes if m not in TWO_INSTANCE_MODES] + list(TWO_INSTANCE_MODES)
-            if turns is None:
-                turns = 4
+
+# ---- options -> BenchOptions ------------------------------------------------------------------------------------
+def bench_options(a: BenchArgs) -> BenchOptions:
+    from kvprefetch.bench.plan import BenchOptions
+    from kvprefetch.cli_args import parse_size
+    from kvprefetch.workload.replay import CONTEXT_MAX_NUM_SEQS
+
+    first, sweep = _regimes(a.regime)
+    agent = _agent(a)
+    chat, chat_preset = _chat(a)
+    modes, concurrency = _modes_and_levels(a, agent)
+    chunk_tokens = a.chunk_tokens or (128 if a.trace is not None else 256)
+    return BenchOptions(
+        modes=modes, concurrency=concurrency, regime=first, sweep=sweep, model=a.model,
+        engine_args=parse_engine_args(a.engine_arg or []), chat=chat, trace=_trace(a, chunk_tokens), agent=agent,
+        dram_life_s=a.dram_life_s, quick=a.quick, chunk_tokens=chunk_tokens, cache_dir=a.cache_dir,
+        keep_cache=a.keep_cache, step_log=a.step_log, cell_timeout_s=a.cell_timeout,
+        remote_backend=a.remote_backend.value, repeats=a.repeats or (1 if a.quick else 3),
+        topology=a.topology.value, calibrate_modes=not a.quick,
+        max_num_seqs=None if chat_preset or agent is not None else CONTEXT_MAX_NUM_SEQS,
+        kv_cache_bytes=parse_size(a.kv_cache) if a.kv_cache else None,
+        dram_bytes=parse_size(a.dram) if a.dram else None,
+        out=a.out or Path("bench-results") / dt.datetime.now().strftime("%Y%m%d-%H%M%S"),
+    )  # fmt: skip
+
+
+def _asked_modes(a: BenchArgs) -> list[str]:
+    """-m's modes (repeated or comma lists), each checked; the two-instance scenario adds its two."""
+    from kvprefetch.bench.modes import MODES, TWO_INSTANCE_MODES
+
+    modes = [m.strip() for item in (a.mode or []) for m in item.split(",") if m.strip()]
+    for m in modes:
+        if m not in MODES:
+            raise typer.BadParameter(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+    if a.two_instance:
+        modes = [m for m in modes if m not in TWO_INSTANCE_MODES] + list(TWO_INSTANCE_MODES)
+    return modes
+
+
+def _modes_and_levels(a: BenchArgs, agent: AgentBench | None) -> tuple[list[str], list[int]]:
+    """The modes and concurrency levels: those asked, else the workload's (the agent's, quick's, the default)."""
+    from kvprefetch.bench import plan
+    from kvprefetch.bench.modes import PEER_MODES
+
+    asked = _asked_modes(a)
+    modes = asked or list(plan.AGENT_MODES if agent is not None else plan.DEFAULT_MODES)
+    if a.quick and not asked:  # an engine start and two cells each: the full run compares with them
+        modes = [m for m in modes if m not in PEER_MODES]
+    levels = plan.QUICK_CONCURRENCY if a.quick else plan.DEFAULT_CONCURRENCY
+    if agent is not None:
+        levels = plan.AGENT_CONCURRENCY
+    return modes, parse_list(a.concurrency) if a.concurrency else list(levels)
+
+
+def _regimes(text: str) -> tuple[float | None, list[float | None]]:
+    """--regime: the run's regime, then the sweep's further ones."""
+    from kvprefetch.bench.regime import parse_regime
+
+    try:
+        first, *sweep = [parse_regime(x) for x in text.split(",") if x.strip()] or [parse_regime("")]
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    return first, sweep
+
+
+def _agent(a: BenchArgs) -> AgentBench | None:
+    """The agent workload with the chat options' counterparts as its sizes (quick: fewer sessions)."""
+    if a.workload != Workload.agent:
+        return None
+    from kvprefetch.workload.agent import AgentBench, parse_gap
+
+    try:
+        gap_min, gap_max = parse_gap(a.gap_s)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    sizes = {"measured_turns": a.turns_asked, "task_tokens": a.history_tokens, "tool_tokens": a.user_tokens,
+             "answer_tokens": a.output_tokens}  # fmt: skip
+    agent = AgentBench(gap_min_s=gap_min, gap_max_s=gap_max, **{k: v for k, v in sizes.items() if v is not None})
+    return replace(agent, min_sessions=2, sessions_per_concurrency=1.0) if a.quick else agent
+
+
+def _chat(a: BenchArgs) -> tuple[ChatBench, bool]:
+    """The chat workload: the default's preset (the whitepaper's R2 context), or plain multi-turn chat for
+    --workload chat, --no-reuse, a trace or the two-instance scenario (True then); with the sizes asked."""
+    from kvprefetch.workload.replay import CONTEXT, ChatBench
+
+    preset = a.workload == Workload.chat or a.no_reuse or a.trace is not None or a.two_instance
+    chat = ChatBench() if preset else CONTEXT
+    if a.quick:
+        chat = replace(chat, min_sessions=2, sessions_per_concurrency=1.0)
+    sizes = dict(system_tokens=a.system_tokens, history_tokens=a.history_tokens, user_tokens=a.user_tokens,
+                 output_tokens=a.output_tokens, measured_turns=a.turns_asked, think_s=a.think_s,
+                 sessions_per_concurrency=a.sessions_per_concurrency)  # fmt: skip
+    kw = {k: v for k, v in sizes.items() if v is not None}
+    if a.no_reuse:
+        kw["reuse"] = False
+    if a.two_instance:
+        # the prelude holds each conversation's first message only: every later turn's prefix was computed
+        # by the turn before it, on the other engine (a hit only where the cache is shared)
+        kw["prelude_turns"] = 1
+    return replace(chat, **kw), preset
+
+
+def _trace(a: BenchArgs, chunk_tokens: int) -> TraceBench | None:
+    """The trace to replay (its reuse summary printed first), or None."""
+    if a.trace is None:
+        return None
+    from kvprefetch.trace_cli import bench_preamble
+    from kvprefetch.workload.replay import TraceBench
+
+    try:
+        for line in bench_preamble(a.trace, a.trace_length_scale, chunk_tokens, a.trace_window_start,
+                                   a.trace_max_prompt_tokens):  # fmt: skip
+            console.print(line, markup=False)
+    except (ValueError, OSError) as err:
+        raise typer.BadParameter(str(err)) from None
+    trace = TraceBench(path=str(a.trace), length_scale=a.trace_length_scale, chunk_tokens=chunk_tokens,
+                       time_scale=a.trace_time_scale, use_timestamps=a.trace_timestamps,
+                       utilisation=a.trace_utilisation or None, window_start=a.trace_window_start,
+                       max_prompt_tokens=a.trace_max_prompt_tokens)  # fmt: skip
+    return replace(trace, min_requests=4, requests_per_concurrency=1.0) if a.quick else trace
+
+
+# ---- the run ------------------------------------------------------------------------------------------------------
+def run_and_report(opts: BenchOptions) -> dict:
+    """The run with a live progress bar and a line per cell, then results.json, report.md and the plots written
+    and the terminal's tables printed."""
+    from kvprefetch.bench.client import EngineError
+    from kvprefetch.bench.report import write_outputs
+    from kvprefetch.bench.runner import Bench, simulator_prediction
+
+    levels = ",".join(map(str, opts.concurrency))
+    console.print(
+        f"[bold]kvprefetch bench[/bold]: modes {', '.join(opts.modes)}; concurrency {levels}; "
+        f"regime {opts.regime or 'native'}; out {opts.out}"
+    )
+    with _progress_bar() as bar:
+        task = bar.add_task("starting", total=1.0)
+
+        def progress(desc: str, done: float, total: float) -> None:
+            kw = {"completed": done, "total": max(total, 1e-9)}
+            if desc:
+                kw["description"] = desc
+            bar.update(task, **kw)
+
+        bench = Bench(opts, progress=progress, on_row=lambda row: bar.console.print(_row_line(row)),
+                      log=bar.console.print)  # fmt: skip
         try:
-            first, *sweep = [parse_regime(x) for x in regime.split(",") if x.strip()] or [parse_regime("")]
-        except ValueError as err:
-            raise typer.BadParameter(str(err)) from None
-        if workload not in ("context", "chat", "agent"):
-            raise typer.BadParameter(f"--workload is 'context', 'chat' or 'agent', got {workload!r}")
-        if topology not in TOPOLOGIES:
-            raise typer.BadParameter(f"--topology is {' or '.join(map(repr, TOPOLOGIES))}, got {topology!r}")
-        opts = BenchOptions(regime=first, sweep=sweep, model=model, engine_args=parse_engine_args(engine_arg or []),
-                            quick=quick, chunk_tokens=chunk_tokens, cache_dir=cache_dir, keep_cache=keep_cache,
-                            step_log=step_log, cell_timeout_s=cell_timeout, remote_backend=remote_backend,
-                            repeats=repeats or (1 if quick else 3), topology=topology)  # fmt: skip
-        if workload == "chat" or no_reuse or trace is not None or scenario == "two-instance":
-            opts.chat, opts.max_num_seqs = ChatBench(), None
-        if workload == "agent":
-            from kvprefetch.bench.runner import AGENT_CONCURRENCY, AGENT_MODES
-            from kvprefetch.workload.agent import AgentBench, parse_gap
-
-            try:
-                gap_min, gap_max = parse_gap(gap_s)
-            except ValueError as err:
-                raise typer.BadParameter(str(err)) from None
-            sizes = {"measured_turns": turns, "task_tokens": history_tokens, "tool_tokens": user_tokens,
-                     "answer_tokens": output_tokens}  # the chat options' counterparts
-            opts.agent = AgentBench(gap_min_s=gap_min, gap_max_s=gap_max,
-                                    **{k: v for k, v in sizes.items() if v is not None})  # fmt: skip
-            opts.modes, opts.concurrency, opts.max_num_seqs = list(AGENT_MODES), list(AGENT_CONCURRENCY), None
-            opts.dram_life_s = dram_life_s
-        if modes:
-            opts.modes = modes
-        if quick:
-            if not modes:  # an engine start and two cells each: the full run compares with them
-                opts.modes = [m for m in opts.modes if m not in PEER_MODES]
-            opts.concurrency = list(QUICK_CONCURRENCY) if opts.agent is None else opts.concurrency
-            opts.calibrate_modes = False
-            opts.chat = replace(opts.chat, min_sessions=2, sessions_per_concurrency=1.0)
-            if opts.agent is not None:
-                opts.agent = replace(opts.agent, min_sessions=2, sessions_per_concurrency=1.0)
-        if concurrency:
-            opts.concurrency = parse_list(concurrency)
-        chat_kw = {k: v for k, v in dict(system_tokens=system_tokens, history_tokens=history_tokens,
-                   user_tokens=user_tokens, output_tokens=output_tokens, measured_turns=turns, think_s=think_s,
-                   sessions_per_concurrency=sessions_per_concurrency).items() if v is not None}  # fmt: skip
-        if no_reuse:
-            chat_kw["reuse"] = False
-        if scenario == "two-instance":
-            # the prelude holds each conversation's first message only: every later turn's prefix was computed
-            # by the turn before it, on the other engine (a hit only where the cache is shared)
-            chat_kw["prelude_turns"] = 1
-        opts.chat = replace(opts.chat, **chat_kw)
-        opts.chunk_tokens = chunk_tokens or (128 if trace is not None else 256)
-        if trace is not None:
-            from kvprefetch.trace_cli import bench_preamble
-
-            try:
-                for line in bench_preamble(trace, trace_length_scale, opts.chunk_tokens, trace_window_start,
-                                           trace_max_prompt_tokens):  # fmt: skip
-                    console.print(line, markup=False)
-            except (ValueError, OSError) as err:
-                raise typer.BadParameter(str(err)) from None
-            opts.trace = TraceBench(path=str(trace), length_scale=trace_length_scale, chunk_tokens=opts.chunk_tokens,
-                                    time_scale=trace_time_scale, use_timestamps=trace_timestamps,
-                                    utilisation=trace_utilisation or None, window_start=trace_window_start,
-                                    max_prompt_tokens=trace_max_prompt_tokens)  # fmt: skip
-            if quick:
-                opts.trace = replace(opts.trace, min_requests=4, requests_per_concurrency=1.0)
-        if kv_cache:
-            opts.kv_cache_bytes = parse_size(kv_cache)
-        if dram:
-            opts.dram_bytes = parse_size(dram)
-        opts.out = out or Path("bench-results") / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        run_and_report(opts)
+            results = bench.run()
+        except EngineError as err:
+            bar.stop()
+            console.print(f"[red]kvprefetch bench: {err}[/red]")
+            console.print(f"engine logs kept in {bench.files.work}")
+            raise typer.Exit(1) from None
+    results["simulator_prediction"] = simulator_prediction(results)
+    files = write_outputs(results, opts.out)
+    _print_results(results)
+    console.print(f"wrote {', '.join(str(opts.out / f) for f in files)}")
+    return results
 
 
-def run_and_report(opts) -> dict:
+def _progress_bar():
     from rich.progress import (
         BarColumn,
         Progress,
@@ -306,63 +501,27 @@ def run_and_report(opts) -> dict:
         TimeRemainingColumn,
     )
 
-    from kvprefetch.bench.client import EngineError
+    return Progress(TextColumn("[bold]bench[/bold] {task.description}"), BarColumn(), TaskProgressColumn(),
+                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console)  # fmt: skip
+
+
+def _row_line(row: dict) -> str:
+    """One cell's round as the live display prints it."""
+    from kvprefetch.bench.report import TABLE_COLUMNS, row_cells
+
+    if row.get("status") != "ok":
+        return f"  {row['mode']:<13} c={row['concurrency']:<3} {row.get('status')}: {row.get('reason')}"
+    cell = dict(zip((h for _, h, _ in TABLE_COLUMNS), row_cells(row), strict=True))
+    return (f"  {row['mode']:<15} c={row['concurrency']:<3} round {row.get('round', 0) + 1}: TTFT p50 "
+            f"{cell['TTFT p50 s']} s, p90 {cell['p90 s']} s, {cell['out tok/s']} out tok/s, hit {cell['hit']}, "
+            f"disk {cell['disk']}, errors {row.get('errors')}, other CPU {cell['other CPU']}")  # fmt: skip
+
+
+def _print_results(results: dict) -> None:
+    """The results table (one per regime of a sweep), the cells that failed, the trace's reuse, the notes."""
     from kvprefetch.bench.modes import known_failure
-    from kvprefetch.bench.report import (
-        TABLE_COLUMNS,
-        regimes_of,
-        rich_table,
-        row_cells,
-        trace_reuse_lines,
-        write_outputs,
-    )
-    from kvprefetch.bench.runner import Bench, simulator_prediction
+    from kvprefetch.bench.report import regimes_of, rich_table, trace_reuse_lines
 
-    levels = ",".join(map(str, opts.concurrency))
-    console.print(
-        f"[bold]kvprefetch bench[/bold]: modes {', '.join(opts.modes)}; concurrency {levels}; "
-        f"regime {opts.regime or 'native'}; out {opts.out}"
-    )
-    with Progress(
-        TextColumn("[bold]bench[/bold] {task.description}"),
-        BarColumn(),
-        TaskProgressColumn(),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        console=console,
-    ) as bar:
-        task = bar.add_task("starting", total=1.0)
-
-        def progress(desc: str, done: float, total: float) -> None:
-            kw = {"completed": done, "total": max(total, 1e-9)}
-            if desc:
-                kw["description"] = desc
-            bar.update(task, **kw)
-
-        def on_row(row: dict) -> None:
-            cell = dict(zip((h for _, h, _ in TABLE_COLUMNS), row_cells(row), strict=True))
-            if row.get("status") == "ok":
-                bar.console.print(
-                    f"  {row['mode']:<15} c={row['concurrency']:<3} round {row.get('round', 0) + 1}: TTFT p50 "
-                    f"{cell['TTFT p50 s']} s, p90 {cell['p90 s']} s, {cell['out tok/s']} out tok/s, hit {cell['hit']}, "
-                    f"disk {cell['disk']}, errors {row.get('errors')}, other CPU {cell['other CPU']}"
-                )
-            else:
-                bar.console.print(
-                    f"  {row['mode']:<13} c={row['concurrency']:<3} {row.get('status')}: {row.get('reason')}"
-                )
-
-        bench = Bench(opts, progress=progress, on_row=on_row, log=bar.console.print)
-        try:
-            results = bench.run()
-        except EngineError as err:
-            bar.stop()
-            console.print(f"[red]kvprefetch bench: {err}[/red]")
-            console.print(f"engine logs kept in {getattr(bench, 'work', '?')}")
-            raise typer.Exit(1) from None
-    results["simulator_prediction"] = simulator_prediction(results)
-    files = write_outputs(results, opts.out)
     reg = results["regime"]
     title = f"kvprefetch bench: {results['workload']['name']}, regime asked {reg.get('asked')}"
     if reg.get("measured"):
@@ -382,5 +541,3 @@ def run_and_report(opts) -> dict:
             console.print(line, markup=False)
     for n in results.get("notes", []):
         console.print(f"[yellow]note:[/yellow] {n.splitlines()[0]}")
-    console.print(f"wrote {', '.join(str(opts.out / f) for f in files)}")
-    return results

@@ -1,4 +1,5 @@
-"""Start a benchmark engine process (`engine_proc`) and talk to it in JSON lines."""
+"""Start an engine process (`engine_proc`) and talk to it in its protocol (`kvprefetch.bench.protocol`): the
+bench's engines and the tests' are these."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
-from kvprefetch.bench.engine_proc import MARK
+from kvprefetch.bench import protocol as P
 
 
 class EngineError(RuntimeError):
@@ -20,14 +22,15 @@ class EngineError(RuntimeError):
 
 
 class EngineProcess:
-    def __init__(self, spec: dict, log_path: Path, start_timeout: float = 900):
+    def __init__(self, spec: P.EngineSpec, log_path: Path, start_timeout: float = 900, log_level: str = "WARNING"):
+        self.spec = spec
         self.log_path = log_path
         env = dict(os.environ)
-        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        env.setdefault("VLLM_LOGGING_LEVEL", log_level)
         env["PYTHONUNBUFFERED"] = "1"
         self._log = open(log_path, "w")  # noqa: SIM115  (closed in close())
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvprefetch.bench.engine_proc", json.dumps(spec)],
+            [sys.executable, "-m", "kvprefetch.bench.engine_proc", spec.model_dump_json()],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -47,8 +50,8 @@ class EngineProcess:
     def _pump(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            if line.startswith(MARK):
-                self._q.put(json.loads(line[len(MARK) :]))
+            if line.startswith(P.MARK):
+                self._q.put(json.loads(line[len(P.MARK) :]))
             else:
                 with self._lock:
                     self._log.write(line)
@@ -73,16 +76,18 @@ class EngineProcess:
         except OSError:
             return ""
 
-    def call(self, op: str, timeout: float = 1800, **kw) -> dict:
-        """Send a command and wait for its answer."""
-        self.send(op, **kw)
-        return self._wait(timeout)
+    def call(self, req: P.Request, timeout: float = 1800) -> Any:
+        """Send a request and wait for its answer: the request's reply model, or the dict the engine sent where
+        the request names none."""
+        self.send(req)
+        msg = self._wait(timeout)
+        return req.reply.model_validate(msg) if req.reply is not None else msg
 
-    def send(self, op: str, **kw) -> None:
-        """Write a command without waiting for an answer (the serve protocol streams them)."""
+    def send(self, req: P.Request) -> None:
+        """Write a request without waiting for an answer (the serve protocol streams them)."""
         assert self.proc.stdin is not None
         try:
-            self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+            self.proc.stdin.write(P.encode(req) + "\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
             raise EngineError(f"engine is gone; log tail:\n{self.tail()}") from None
@@ -116,7 +121,7 @@ class EngineProcess:
     def close(self) -> None:
         if self.proc.poll() is None:
             with contextlib.suppress(Exception):
-                self.call("exit", timeout=60)
+                self.call(P.Exit(), timeout=60)
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:

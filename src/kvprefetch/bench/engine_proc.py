@@ -6,15 +6,17 @@ The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the
 arrival times and steps the engine itself, and the scheduler's connector is read here directly. With the
 ``gpu-node`` topology (`place`) the model runs in vLLM's multiprocess executor's worker, as in a deployment,
 and what the bench reads of the workers' connectors comes back through ``collective_rpc``. Each op is one
-function in `OPS`; replies are single lines prefixed with ``@@KVB `` on stdout (vLLM logs to the same streams).
-When the spec names a cgroup, the process moves itself into it before anything starts, so every thread and
-process it creates is throttled there.
+function in `OPS`, keyed by its request model (`kvprefetch.bench.protocol`, shared with the caller); replies
+are single lines behind `protocol.MARK` on stdout (vLLM logs to the same streams). When the spec names a cgroup,
+the process moves itself into it before anything starts, so every thread and process it creates is throttled
+there. The tests drive their engines through the same protocol (`generate`, `warm`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import itertools
 import json
 import os
@@ -28,16 +30,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvprefetch.bench import protocol as P
 from kvprefetch.bench.agent_client import AgentClient
 from kvprefetch.bench.probes import CpuMeter, HelperCpuMeter, StepRecorder, calibrate, local_cpu_s, random_prompt
 from kvprefetch.bench.sessions import SessionSchedule
 from kvprefetch.bench.stats import merge_snapshots
 
-MARK = "@@KVB "
-
 
 def _reply(obj: Any) -> None:
-    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    """One reply line: a model as its fields, a dict as it is."""
+    if isinstance(obj, P.BaseModel):
+        obj = obj.model_dump(mode="json")
+    sys.stdout.write(P.MARK + json.dumps(obj) + "\n")
     sys.stdout.flush()
 
 
@@ -59,26 +63,32 @@ def _proc_io() -> dict[str, int]:
 
 
 # ---- the engine -----------------------------------------------------------------------------------------------
-def build_engine(spec: dict):
+def build_engine(spec: P.EngineSpec):
     from vllm import EngineArgs, LLMEngine
 
     kwargs: dict[str, Any] = dict(
-        model=spec["model"],
+        model=spec.model,
         skip_tokenizer_init=True,
-        dtype=spec.get("dtype", "auto"),
-        max_model_len=spec["max_model_len"],
-        kv_cache_memory_bytes=spec["kv_cache_bytes"],
-        max_num_seqs=spec["max_num_seqs"],
-        max_num_batched_tokens=spec["max_num_batched_tokens"],
-        enable_prefix_caching=True,
-        enforce_eager=spec.get("enforce_eager", True),
+        dtype=spec.dtype,
+        max_model_len=spec.max_model_len,
+        kv_cache_memory_bytes=spec.kv_cache_bytes,
+        max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        enable_prefix_caching=spec.enable_prefix_caching,
+        enforce_eager=True,
         seed=0,
     )
-    if spec.get("load_format"):
-        kwargs["load_format"] = spec["load_format"]
-    if spec.get("kv_transfer_config"):
-        kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
-    kwargs.update(spec.get("engine_args") or {})
+    if spec.load_format:
+        from kvprefetch.loader.vllm_loader import LOAD_FORMAT, register
+
+        if spec.load_format == LOAD_FORMAT:
+            register()  # what the vllm.general_plugins entry point does (explicit: a venv may predate it)
+        kwargs["load_format"] = spec.load_format
+    if spec.model_loader_extra_config is not None:
+        kwargs["model_loader_extra_config"] = spec.model_loader_extra_config
+    if spec.kv_transfer_config:
+        kwargs["kv_transfer_config"] = spec.kv_transfer_config
+    kwargs.update(spec.engine_args)
     return LLMEngine.from_engine_args(EngineArgs(**kwargs))
 
 
@@ -145,20 +155,22 @@ def _scheduler_connector():
     return None
 
 
-def place(spec: dict, tp: int) -> dict:
-    """A GPU node's division of labour on a CPU machine (`spec["topology"]`: ``model_cpus``, ``host_cpus``):
-    the model's forward in vLLM's worker process(es) with their OpenMP threads bound to the model's cores (the
-    "accelerator"), while this process (the client, the scheduler and its connector) and the connector threads
-    of every process (``io.cpus``, set by the bench) run on the host cores. The workers are vLLM's multiprocess
-    executor's, as in a `vllm serve` deployment, so the model does not share this process's interpreter lock."""
-    from kvprefetch.vllm.cpu import OMP_BIND, omp_threads_bind
+def place(spec: P.EngineSpec) -> P.EngineSpec:
+    """A GPU node's division of labour on a CPU machine (`spec.topology`): the model's forward in vLLM's worker
+    process(es) with their OpenMP threads bound to the model's cores (the "accelerator"), while this process (the
+    client, the scheduler and its connector) and the connector threads of every process (``io.cpus``, set by the
+    bench) run on the host cores. The workers are vLLM's multiprocess executor's, as in a `vllm serve`
+    deployment, so the model does not share this process's interpreter lock. Without a topology every thread
+    may run anywhere (tensor-parallel ranks still get a core each: `tp_cpu_env`)."""
+    from kvprefetch.vllm.cpu import OMP_BIND, omp_threads_bind, tp_cpu_env
 
-    topo = spec["topology"]
-    os.sched_setaffinity(0, set(topo["host_cpus"]))  # threads started from here on inherit it
-    os.environ[OMP_BIND] = omp_threads_bind(tp, list(topo["model_cpus"]))
-    args = dict(spec.get("engine_args") or {})
-    args.setdefault("distributed_executor_backend", "mp")
-    return spec | {"engine_args": args}
+    topo, tp = spec.topology, spec.tensor_parallel_size
+    if topo is None:
+        os.environ.update(tp_cpu_env(tp))
+        return spec
+    os.sched_setaffinity(0, set(topo.host_cpus))  # threads started from here on inherit it
+    os.environ[OMP_BIND] = omp_threads_bind(tp, list(topo.model_cpus))
+    return spec.model_copy(update={"engine_args": {"distributed_executor_backend": "mp"} | spec.engine_args})
 
 
 class EngineChild:
@@ -213,13 +225,81 @@ class EngineChild:
         return self.workloads[path]
 
 
+class Requests:
+    """The requests a driver has in the engine, each a record the bench reads: when it arrived and was submitted,
+    when each output token came, how it finished, and how much of its prompt was cached where."""
+
+    def __init__(self, engine, tag: str, prefill: dict[str, tuple[int, int]]):
+        self.engine, self.tag, self._prefill = engine, tag, prefill
+        self.recs: dict[str, dict] = {}
+        self.live: set[str] = set()
+
+    def add(self, sessions: list[dict], i: int, k: int, arrival: float, now: float) -> str:
+        """Turn k of session i into the engine; its id (not live if the engine refused it: a failed record)."""
+        from vllm import SamplingParams
+
+        turn = sessions[i]["turns"][k]
+        rid = f"{self.tag}-{sessions[i]['sid']}-t{k}"
+        self.recs[rid] = {
+            "sid": sessions[i]["sid"], "turn": k, "session": i, "prompt_tokens": len(turn["tokens"]),
+            "arrival": arrival, "submitted": now, "token_times": [], "error": None,
+        }  # fmt: skip
+        sp = SamplingParams(max_tokens=int(turn["max_tokens"]), temperature=0.0, ignore_eos=True)
+        try:
+            self.engine.add_request(rid, {"prompt_token_ids": turn["tokens"]}, sp)
+        except Exception as err:  # a request the engine refuses counts as an error, not a crash
+            self.recs[rid]["error"] = f"{type(err).__name__}: {err}"
+            return rid
+        self.live.add(rid)
+        return rid
+
+    def outputs(self, outs: list, now: float) -> list[str]:
+        """One engine step's outputs recorded at `now`; the ids of the requests that finished in it."""
+        finished = []
+        for o in outs:
+            rec = self.recs.get(o.request_id)
+            if rec is None or o.request_id not in self.live:
+                continue
+            c = o.outputs[0] if o.outputs else None
+            n = len(c.token_ids) if c is not None else 0
+            rec["token_times"] += [now] * (n - len(rec["token_times"]))
+            if o.finished:
+                self.live.discard(o.request_id)
+                reason = getattr(c, "finish_reason", None) if c is not None else None
+                if reason not in ("length", "stop") or not rec["token_times"]:
+                    rec["error"] = f"finish_reason={reason}"
+                rec["cached_tokens"] = int(o.num_cached_tokens or 0)
+                rec["cached_local"], rec["cached_external"] = self._prefill.pop(o.request_id, (None, None))
+                finished.append(o.request_id)
+        return finished
+
+    def abort_live(self) -> list[str]:
+        """Every request still in the engine aborted and marked a timeout (the cell ran out of time)."""
+        aborted = sorted(self.live)
+        with contextlib.suppress(Exception):
+            self.engine.abort_request(aborted)
+        for rid in aborted:
+            self.recs[rid]["error"] = "timeout"
+        self.live.clear()
+        return aborted
+
+
+def final_record(rec: dict) -> dict:
+    """A finished request's record as the bench stores it: first token, output count and inter-token gaps in
+    place of the token times."""
+    out = {k: v for k, v in rec.items() if k not in ("token_times", "session")}
+    tt = rec["token_times"]
+    return out | {"first_token": tt[0] if tt else None, "output_tokens": len(tt),
+                  "itl": [b - a for a, b in itertools.pairwise(tt)]}  # fmt: skip
+
+
 class Driver:
     """Adds each turn at its arrival time, steps the engine, and timestamps every output token."""
 
     def __init__(self, engine):
         self.engine = engine
         self.steps = StepRecorder(engine)
-        self._prefill: dict[str, tuple[int, int]] = {}
+        self.prefill: dict[str, tuple[int, int]] = {}
         core = getattr(engine, "engine_core", None)
         get_output = getattr(core, "get_output", None)
         if get_output is not None:
@@ -231,7 +311,7 @@ class Driver:
                     ps = getattr(o, "prefill_stats", None)
                     if ps is not None:
                         rid = str(o.request_id).rsplit("-", 1)[0]
-                        self._prefill[rid] = (int(ps.num_local_cached_tokens), int(ps.num_external_cached_tokens))
+                        self.prefill[rid] = (int(ps.num_local_cached_tokens), int(ps.num_external_cached_tokens))
                 return out
 
             core.get_output = wrapped
@@ -243,102 +323,84 @@ class Driver:
         """Run one level's sessions; with `record_steps`, the result also holds every engine step (`steps`);
         `client` is told when sessions start and turns arrive and finish (the agent workload's warm-up calls and
         lease samples)."""
-        from vllm import SamplingParams
-
-        eng = self.engine
-        clock = time.perf_counter
-        t0 = clock()
-        schedule = SessionSchedule(sessions, concurrency)
-        recs: dict[str, dict] = {}
-        live: set[str] = set()
-        errors: list[str] = []
-
-        def submit(now: float) -> None:
-            for arrival, i, k in schedule.pop_due(now):
-                turn = sessions[i]["turns"][k]
-                rid = f"{tag}-{sessions[i]['sid']}-t{k}"
-                recs[rid] = {
-                    "sid": sessions[i]["sid"], "turn": k, "session": i, "prompt_tokens": len(turn["tokens"]),
-                    "arrival": arrival, "submitted": now, "token_times": [], "error": None,
-                }  # fmt: skip
-                sp = SamplingParams(max_tokens=int(turn["max_tokens"]), temperature=0.0, ignore_eos=True)
-                if client is not None:
-                    client.turn_arriving(i, k, now)
-                try:
-                    eng.add_request(rid, {"prompt_token_ids": turn["tokens"]}, sp)
-                    live.add(rid)
-                except Exception as err:  # a request the engine refuses counts as an error, not a crash
-                    recs[rid]["error"] = f"{type(err).__name__}: {err}"
-                    finish(rid, now)
-
-        def finish(rid: str, now: float) -> None:
-            rec = recs[rid]
-            rec["finish"] = now
-            schedule.turn_done(rec["session"], rec["turn"], now, ok=rec["error"] is None)
-            if client is not None and rec["error"] is None:
-                client.turn_finished(rec["session"], rec["turn"], now)
-
-        def start(now: float) -> None:
-            for i in schedule.start_sessions(now):
-                if client is not None:
-                    client.session_started(i, now)
-
+        cell = _Cell(self, sessions, concurrency, tag, client)
         self.steps.records = [] if record_steps and self.steps.available else None
-        deadline = t0 + timeout_s
-        while schedule.waiting() or live:
-            now = clock() - t0
-            start(now)
-            if client is not None:
-                client.sample(now)
-            submit(now)
-            if clock() > deadline:
-                for rid in list(live):
-                    recs[rid]["error"] = "timeout"
-                    live.discard(rid)
-                with contextlib.suppress(Exception):
-                    eng.abort_request([r for r, v in recs.items() if v["error"] == "timeout"])
-                errors.append(f"cell timed out after {timeout_s:.0f}s")
-                break
-            if live:
-                started = clock()
-                outs = eng.step()
-                self.steps.step_done(started - t0, clock() - started)
-                now = clock() - t0
-                for o in outs:
-                    rid = o.request_id
-                    rec = recs.get(rid)
-                    if rec is None:
-                        continue
-                    c = o.outputs[0] if o.outputs else None
-                    n = len(c.token_ids) if c is not None else 0
-                    rec["token_times"] += [now] * (n - len(rec["token_times"]))
-                    if o.finished:
-                        live.discard(rid)
-                        reason = getattr(c, "finish_reason", None) if c is not None else None
-                        if reason not in ("length", "stop") or not rec["token_times"]:
-                            rec["error"] = f"finish_reason={reason}"
-                        rec["cached_tokens"] = int(o.num_cached_tokens or 0)
-                        local, ext = self._prefill.pop(rid, (None, None))
-                        rec["cached_local"], rec["cached_external"] = local, ext
-                        finish(rid, now)
-            else:
-                nxt = schedule.next_event_s()
-                wait = (nxt - now) if nxt is not None else 0.01
-                time.sleep(min(max(wait, 0.0), 0.05))
-        wall = clock() - t0
+        errors = cell.drive(timeout_s)
         steps, self.steps.records = self.steps.records, None
-        out = []
-        for rec in recs.values():
-            tt = rec.pop("token_times")
-            rec["first_token"] = tt[0] if tt else None
-            rec["output_tokens"] = len(tt)
-            rec["itl"] = [b - a for a, b in itertools.pairwise(tt)]
-            rec.pop("session", None)
-            out.append(rec)
-        res = {"records": out, "wall_s": wall, "errors": errors}
+        res = {"records": [final_record(r) for r in cell.requests.recs.values()], "wall_s": cell.wall_s,
+               "errors": errors}  # fmt: skip
         if record_steps:
             res["steps"] = steps or []
         return res
+
+
+class _Cell:
+    """One `Driver.run`: its sessions' schedule, the requests in the engine, the client to tell."""
+
+    def __init__(self, driver: Driver, sessions: list[dict], concurrency: int, tag: str,
+                 client: AgentClient | None):  # fmt: skip
+        self.driver, self.sessions, self.client = driver, sessions, client
+        self.schedule = SessionSchedule(sessions, concurrency)
+        self.requests = Requests(driver.engine, tag, driver.prefill)
+        self.clock = time.perf_counter
+        self.t0 = self.clock()
+        self.wall_s = 0.0
+
+    def now(self) -> float:
+        return self.clock() - self.t0
+
+    def drive(self, timeout_s: float) -> list[str]:
+        """Until every session's last turn finished (or the timeout: the requests left are aborted); the errors."""
+        deadline = self.t0 + timeout_s
+        errors = []
+        while self.schedule.waiting() or self.requests.live:
+            self.start(self.now())
+            if self.clock() > deadline:
+                self.requests.abort_live()
+                errors.append(f"cell timed out after {timeout_s:.0f}s")
+                break
+            if self.requests.live:
+                self.step()
+            else:
+                self.idle()
+        self.wall_s = self.now()
+        return errors
+
+    def start(self, now: float) -> None:
+        """Sessions whose time came started, and turns whose time came submitted."""
+        client = self.client
+        for i in self.schedule.start_sessions(now):
+            if client is not None:
+                client.session_started(i, now)
+        if client is not None:
+            client.sample(now)
+        for arrival, i, k in self.schedule.pop_due(now):
+            if client is not None:
+                client.turn_arriving(i, k, now)
+            rid = self.requests.add(self.sessions, i, k, arrival, now)
+            if rid not in self.requests.live:
+                self.finish(rid, now)
+
+    def step(self) -> None:
+        started = self.clock()
+        outs = self.driver.engine.step()
+        self.driver.steps.step_done(started - self.t0, self.clock() - started)
+        now = self.now()
+        for rid in self.requests.outputs(outs, now):
+            self.finish(rid, now)
+
+    def finish(self, rid: str, now: float) -> None:
+        rec = self.requests.recs[rid]
+        rec["finish"] = now
+        self.schedule.turn_done(rec["session"], rec["turn"], now, ok=rec["error"] is None)
+        if self.client is not None and rec["error"] is None:
+            self.client.turn_finished(rec["session"], rec["turn"], now)
+
+    def idle(self) -> None:
+        """Nothing in the engine: sleep until the next arrival (at most 50 ms)."""
+        nxt = self.schedule.next_event_s()
+        wait = (nxt - self.now()) if nxt is not None else 0.01
+        time.sleep(min(max(wait, 0.0), 0.05))
 
 
 # ---- the stores -----------------------------------------------------------------------------------------------
@@ -469,123 +531,79 @@ def seed_remote(src: str) -> dict:
 
 
 def serve(child: EngineChild, sessions: list[dict], t0: float, tag: str, inbox: queue.Queue) -> dict:
-    """Requests pushed by a coordinator in the parent (the two-instance scenario): ``add`` (session i, turn k,
-    arrival in seconds since t0 on the shared monotonic clock) until ``end``; each finished request is sent
+    """Requests pushed by a coordinator in the parent (the two-instance scenario): `Add` (session i, turn k,
+    arrival in seconds since t0 on the shared monotonic clock) until `End`; each finished request is sent
     back as an event at once, so the coordinator can route the session's next turn to another engine."""
-    from vllm import SamplingParams
 
     def now() -> float:
         return time.monotonic() - t0
 
-    engine, driver = child.engine, child.driver
+    engine = child.engine
     before, cpu = child.snapshot(), CpuMeter(child.cpu_s)
-    recs: dict[str, dict] = {}
-    live: set[str] = set()
-    ending = False
+    requests = Requests(engine, tag, child.driver.prefill)
 
     def done(rid: str) -> None:
-        live.discard(rid)
-        rec = recs[rid]
-        tt = rec.pop("token_times")
+        rec = requests.recs[rid]
         rec["finish"] = now()
-        rec["first_token"] = tt[0] if tt else None
-        rec["output_tokens"] = len(tt)
-        rec["itl"] = [b - a for a, b in itertools.pairwise(tt)]
-        _reply({"event": "done", "rec": rec})
+        _reply({"event": "done", "rec": final_record(rec) | {"session": rec["session"]}})
 
-    def handle(cmd: dict) -> None:
-        nonlocal ending
-        if cmd.get("op") == "end":
-            ending = True
-            return
-        i, k = int(cmd["i"]), int(cmd["k"])
-        turn = sessions[i]["turns"][k]
-        rid = f"{tag}-{sessions[i]['sid']}-t{k}"
-        recs[rid] = {"sid": sessions[i]["sid"], "turn": k, "session": i, "prompt_tokens": len(turn["tokens"]),
-                     "arrival": float(cmd["arrival"]), "submitted": now(), "token_times": [],
-                     "error": None}  # fmt: skip
-        sp = SamplingParams(max_tokens=int(turn["max_tokens"]), temperature=0.0, ignore_eos=True)
-        try:
-            engine.add_request(rid, {"prompt_token_ids": turn["tokens"]}, sp)
-            live.add(rid)
-        except Exception as err:
-            recs[rid]["error"] = f"{type(err).__name__}: {err}"
+    def handle(req: P.Request) -> bool:
+        """False once the coordinator said `End`."""
+        if isinstance(req, P.End):
+            return False
+        assert isinstance(req, P.Add)
+        rid = requests.add(sessions, req.i, req.k, req.arrival, now())
+        if rid not in requests.live:
             done(rid)
+        return True
 
-    while True:
-        try:
-            while True:
-                handle(inbox.get_nowait())
-        except queue.Empty:
-            pass
-        if ending:
-            break
-        if not live:
-            with contextlib.suppress(queue.Empty):
-                handle(inbox.get(timeout=0.02))
-            continue
-        outs = engine.step()
-        t = now()
-        for o in outs:
-            rec = recs.get(o.request_id)
-            if rec is None or o.request_id not in live:
-                continue
-            c = o.outputs[0] if o.outputs else None
-            n = len(c.token_ids) if c is not None else 0
-            rec["token_times"] += [t] * (n - len(rec["token_times"]))
-            if o.finished:
-                reason = getattr(c, "finish_reason", None) if c is not None else None
-                if reason not in ("length", "stop") or not rec["token_times"]:
-                    rec["error"] = f"finish_reason={reason}"
-                rec["cached_tokens"] = int(o.num_cached_tokens or 0)
-                rec["cached_local"], rec["cached_external"] = driver._prefill.pop(o.request_id, (None, None))
-                done(o.request_id)
-    aborted = sorted(live)
-    if aborted:  # the coordinator gave up (cell timeout)
-        with contextlib.suppress(Exception):
-            engine.abort_request(aborted)
-        for rid in aborted:
-            recs[rid]["error"] = "timeout"
-            done(rid)
+    serving = True
+    while serving:
+        with contextlib.suppress(queue.Empty):
+            while serving:
+                serving = handle(inbox.get(timeout=0.02) if not requests.live else inbox.get_nowait())
+        if serving and requests.live:
+            for rid in requests.outputs(engine.step(), now()):
+                done(rid)
+    for rid in requests.abort_live():  # the coordinator gave up (cell timeout)
+        done(rid)
     return {"served": True, "foreign_cpu_cores": cpu.foreign_cores(), "before": before, "after": child.snapshot()}
 
 
 def _read_until_end(inbox: queue.Queue) -> None:
-    """Feed stdin's lines to a serve loop, up to and including its ``end`` (then stdin is main()'s again)."""
+    """Feed stdin's lines to a serve loop, up to and including its `End` (then stdin is main()'s again)."""
     for line in sys.stdin:
-        cmd = json.loads(line)
-        inbox.put(cmd)
-        if cmd.get("op") == "end":
+        req = P.decode(line)
+        inbox.put(req)
+        if isinstance(req, P.End):
             return
-    inbox.put({"op": "end"})
+    inbox.put(P.End())
 
 
 # ---- the ops ------------------------------------------------------------------------------------------------
-def op_run(child: EngineChild, cmd: dict) -> dict:
+def op_run(child: EngineChild, req: P.Run) -> dict:
     """One level (or the prelude) of the workload file, with the counters and CPU meters around it."""
-    w = child.workload(cmd["file"])
-    sessions = w["prelude"] if cmd["level"] == "prelude" else w["levels"][str(cmd["level"])]
-    if cmd.get("salt"):
-        sessions = salted(sessions, int(cmd["salt"]), child.engine.model_config.get_vocab_size())
+    w = child.workload(req.file)
+    sessions = w["prelude"] if req.level == "prelude" else w["levels"][str(req.level)]
+    if req.salt:
+        sessions = salted(sessions, req.salt, child.engine.model_config.get_vocab_size())
     before = child.snapshot()
     cpu, helpers = CpuMeter(child.cpu_s), HelperCpuMeter(child.cpu_s)
-    tag = str(cmd.get("tag", cmd["level"]))
     conn = _scheduler_connector()
-    agent = AgentClient(sessions, conn, cmd.get("warm_ttl_s"), tag) if cmd.get("agent") else None
+    agent = AgentClient(sessions, conn, req.warm_ttl_s, req.tag) if req.agent else None
     pressure = None
-    if cmd.get("pressure_life_s") is not None and conn is not None:
+    if req.pressure_life_s is not None and conn is not None:
         from kvprefetch.bench.pressure import DramPressure
 
-        pressure = DramPressure(conn.store.dram, float(cmd["pressure_life_s"])).start()
+        pressure = DramPressure(conn.store.dram, req.pressure_life_s).start()
     try:
-        res = child.driver.run(sessions, int(cmd["concurrency"]), float(cmd.get("timeout_s", 1800)), tag,
-                               bool(cmd.get("record_steps")), client=agent)  # fmt: skip
+        res = child.driver.run(sessions, req.concurrency, req.timeout_s, req.tag, req.record_steps, client=agent)
     finally:
         dropped = pressure.stop() if pressure is not None else None
     if agent is not None:
         res["agent"] = agent.summary() | {"pressure_dropped_chunks": dropped}
     res["foreign_cpu_cores"] = cpu.foreign_cores()
-    if cmd.get("flush"):
+    if req.flush:
         res["flushed"] = child.flush()
     res["helper_cpu_s"] = helpers.seconds()  # after the flush: the write-back is theirs too
     res["before"], res["after"] = before, child.snapshot()
@@ -603,94 +621,180 @@ def salted(sessions: list[dict], salt: int, vocab: int) -> list[dict]:
     return out
 
 
-def op_serve(child: EngineChild, cmd: dict) -> dict:
-    """Requests pushed one by one from the parent until ``end`` (see `serve`)."""
-    sessions = child.workload(cmd["file"])["levels"][str(cmd["level"])]
+def op_serve(child: EngineChild, req: P.Serve) -> dict:
+    """Requests pushed one by one from the parent until `End` (see `serve`)."""
+    sessions = child.workload(req.file)["levels"][str(req.level)]
     inbox: queue.Queue = queue.Queue()
     reader = threading.Thread(target=_read_until_end, args=(inbox,), daemon=True)
     _reply({"serving": True})
     reader.start()
-    res = serve(child, sessions, float(cmd["t0"]), str(cmd.get("tag", cmd["level"])), inbox)
+    res = serve(child, sessions, req.t0, req.tag, inbox)
     reader.join()
     return res
 
 
-def op_warmup(child: EngineChild, cmd: dict) -> dict:
+def op_warmup(child: EngineChild, req: P.Warmup) -> dict:
     sessions = [{"sid": f"w{k}", "arrival_s": 0.0, "turns": [{"tokens": random_prompt(
-        cmd["tokens"], cmd["vocab"], 500 + k), "max_tokens": 4}]} for k in range(cmd["n"])]  # fmt: skip
-    return child.driver.run(sessions, cmd["n"], 600, "warm") | {"records": []}
+        req.tokens, req.vocab, 500 + k), "max_tokens": 4}]} for k in range(req.n)]  # fmt: skip
+    return child.driver.run(sessions, req.n, 600, "warm") | {"records": []}
 
 
-def op_calibrate(child: EngineChild, cmd: dict) -> dict:
-    names = ("prompt_tokens", "repeats", "decode_tokens", "vocab", "seed")
-    return calibrate(child, **{k: cmd[k] for k in names if k in cmd})
+def op_calibrate(child: EngineChild, req: P.Calibrate) -> dict:
+    return calibrate(child, **req.model_dump(exclude_none=True))
 
 
-def op_geometry(child: EngineChild, cmd: dict) -> dict:
+def op_geometry(child: EngineChild, req: P.Geometry) -> P.GeometryReply:
     c = _scheduler_connector()
-    return {
-        # A chunk's bytes over every tensor-parallel rank (each rank stores its own part).
-        "chunk_bytes": c.geo.chunk_bytes * c.namespace.tp_size if c else None,
-        "tp_size": c.namespace.tp_size if c else None,
-        "chunk_tokens": c.keyer.chunk_tokens if c else None,
-        "block_size": c.block_size if c else None,
-    }
+    if c is None:
+        return P.GeometryReply(chunk_bytes=None, tp_size=None, chunk_tokens=None, block_size=None)
+    return P.GeometryReply(chunk_bytes=c.geo.chunk_bytes * c.namespace.tp_size, tp_size=c.namespace.tp_size,
+                           chunk_tokens=c.keyer.chunk_tokens, block_size=c.block_size)  # fmt: skip
 
 
-OPS: dict[str, Callable[[EngineChild, dict], Any]] = {
-    "run": op_run,
-    "serve": op_serve,
-    "warmup": op_warmup,
-    "calibrate": op_calibrate,
-    "geometry": op_geometry,
-    "seed_remote": lambda child, cmd: seed_remote(cmd["src"]),
-    "reset": lambda child, cmd: {"reset": child.reset_prefix_cache()},
-    "flush": lambda child, cmd: {"flushed": child.flush()},
-    "cool_dram": lambda child, cmd: cool_dram(child),
-    "preload_dram": lambda child, cmd: preload_dram(cmd.get("max_chunks")),
-    "disk_bandwidth": lambda child, cmd: disk_read_bandwidth(
-        cmd.get("max_chunks", 256), cmd.get("seconds", 10.0), cmd.get("rate_limit_bps"), cmd.get("threads"),
-        cmd.get("stream_bps"),
-    ),
-    "stream_limit": lambda child, cmd: set_stream_limit(child, cmd.get("bps")),
-    "counters": lambda child, cmd: child.snapshot(),
-    "placement": lambda child, cmd: {"engine": _local_placement(), "workers": child.on_workers(_local_placement)},
+def op_generate(child: EngineChild, req: P.Generate) -> P.Generated:
+    """Greedy completions with each token's logprob, in the prompts' order. `hold_until_prefetched`: every
+    request arrives (its prefetch starts) before the engine takes a step, and the engine waits until every read
+    into DRAM has finished, so whether a queued request's chunks are in DRAM when the scheduler reaches it is
+    certain, not a race."""
+    from vllm import SamplingParams
+
+    engine = child.engine
+    each = req.max_tokens_each or [req.max_tokens] * len(req.prompts)
+    t0 = time.perf_counter()
+    ids = [f"gen-{next(_GENERATIONS)}" for _ in req.prompts]
+    for rid, p, n in zip(ids, req.prompts, each, strict=True):
+        sp = SamplingParams(max_tokens=n, temperature=0.0, logprobs=1, ignore_eos=True)
+        engine.add_request(rid, {"prompt_token_ids": p}, sp)
+    landed = None
+    if req.hold_until_prefetched:
+        landed = all(c.wait_for_prefetches(timeout=120) for c in _live_connectors())
+    done: dict[str, Any] = {}
+    while len(done) < len(ids):
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    return P.Generated(outputs=[_completion(done[rid]) for rid in ids], wall_s=time.perf_counter() - t0,
+                       prefetches_landed=landed)  # fmt: skip
+
+
+_GENERATIONS = itertools.count()
+
+
+def _completion(out: Any) -> P.Completion:
+    c = out.outputs[0]
+    lps = [float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs or [], strict=False)]
+    return P.Completion(token_ids=list(c.token_ids), logprobs=lps)
+
+
+def op_warm(child: EngineChild, req: P.Warm) -> P.Warmed:
+    """The warm-up API in-process (what POST /v1/kvprefetch/warm calls), then up to `wait` seconds until the
+    lease's chunks are all in DRAM (or the timeout), so that a test knows where the next request finds them."""
+    sched = _scheduler_connector()
+    if sched is None:
+        raise RuntimeError("warm needs the kvprefetch connector")
+    counts = sched.warm(req.tokens, req.ttl_s)
+    now = counts
+    deadline = time.monotonic() + req.wait
+    while now is not None and now.in_dram < now.chunks and time.monotonic() < deadline:
+        time.sleep(0.01)
+        now = sched.warm_status(counts.id)
+    return P.Warmed(warm=counts.as_json() if counts else None, now=now.as_json() if now else None,
+                    leases=sched.lease_stats())  # fmt: skip
+
+
+def op_counters(child: EngineChild, req: P.Counters) -> P.CountersReply:
+    """This process's connectors' counters (the scheduler's, and the workers' where they run here; the ranks'
+    through the scheduler), each role's store stats, the cost model's estimates; and the stores' stats summed
+    over every process (`EngineChild.snapshot`)."""
+    from kvprefetch.vllm.metrics import snapshot_all
+
+    stores, cost = {}, None
+    for c in _live_connectors():
+        if c.store is not None:
+            stores[c.counters.role] = c.store.stats().get("store")
+        cost = c.cost_snapshot() or cost
+    sched = _scheduler_connector()
+    ranks = {str(r): v for r, v in (sched.rank_stats() or {}).items()} if sched is not None else None
+    return P.CountersReply(counters=snapshot_all() if _live_connectors() else {}, stores=stores, cost=cost,
+                           ranks=ranks or None, store=child.snapshot()["store"])  # fmt: skip
+
+
+def op_placement(child: EngineChild, req: P.Placements) -> dict:
+    return {"engine": _local_placement(), "workers": child.on_workers(_local_placement)}
+
+
+OPS: dict[type[P.Request], Callable[[EngineChild, Any], Any]] = {
+    P.Run: op_run,
+    P.Serve: op_serve,
+    P.Warmup: op_warmup,
+    P.Calibrate: op_calibrate,
+    P.Geometry: op_geometry,
+    P.Generate: op_generate,
+    P.Warm: op_warm,
+    P.Counters: op_counters,
+    P.Placements: op_placement,
+    P.SeedRemote: lambda child, req: seed_remote(req.src),
+    P.Reset: lambda child, req: P.ResetReply(reset=child.reset_prefix_cache()),
+    P.Flush: lambda child, req: P.Flushed(flushed=child.flush()),
+    P.CoolDram: lambda child, req: cool_dram(child),
+    P.PreloadDram: lambda child, req: preload_dram(req.max_chunks),
+    P.DiskBandwidth: lambda child, req: disk_read_bandwidth(req.max_chunks, req.seconds, req.rate_limit_bps,
+                                                            req.threads, req.stream_bps),
+    P.StreamLimit: lambda child, req: set_stream_limit(child, req.bps),
 }
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
-    _join_cgroup(spec.get("cgroup"))
+def start(spec: P.EngineSpec) -> tuple[EngineChild, Callable[[], None]]:
+    """The engine this process runs (placed, in its cgroup, with the spec's environment), and what to do at
+    exit: vLLM's CPU build leaves its tensor-parallel shared-memory segments (/dev/shm/vllm_dist_*) behind when
+    the process ends, so those this engine created are removed."""
+    _join_cgroup(spec.cgroup)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.update(spec.get("env") or {})
-    tp = int((spec.get("engine_args") or {}).get("tensor_parallel_size", 1))
-    if spec.get("topology"):
-        spec = place(spec, tp)
-    else:
-        from kvprefetch.vllm.cpu import tp_cpu_env
+    os.environ.update(spec.env)
+    spec = place(spec)
+    shm_before = set(glob.glob("/dev/shm/vllm_dist_*"))
+    child = EngineChild(build_engine(spec))
+    shm_mine = set(glob.glob("/dev/shm/vllm_dist_*")) - shm_before
 
-        os.environ.update(tp_cpu_env(tp))
+    def cleanup() -> None:
+        # vLLM's executor unlinks its shared-memory queues (/dev/shm/psm_*) only when shut down; the workers
+        # exit with it. (A killed engine leaves them: the parent ends its process group.)
+        with contextlib.suppress(Exception):
+            child.engine.engine_core.shutdown()
+        for f in shm_mine:
+            with contextlib.suppress(OSError):
+                os.unlink(f)
+
+    return child, cleanup
+
+
+def answer(child: EngineChild, req: P.Request) -> None:
+    """One request answered: its op's reply, or an error reply (the op failed)."""
     try:
-        child = EngineChild(build_engine(spec))
+        _reply(OPS[type(req)](child, req))
+    except Exception as err:
+        _reply({"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()})
+
+
+def main() -> None:
+    spec = P.EngineSpec.model_validate_json(sys.argv[1])
+    try:
+        child, cleanup = start(spec)
     except Exception as err:
         _reply({"error": f"engine start failed: {type(err).__name__}: {err}", "trace": traceback.format_exc()})
         os._exit(3)
     _reply({"ready": True, "pid": os.getpid()})
     for line in sys.stdin:
-        cmd = json.loads(line)
-        op = cmd.pop("op")
-        if op == "exit":
-            # vLLM's executor unlinks its shared-memory queues (/dev/shm/psm_*) only when shut down; the workers
-            # exit with it. (A killed engine leaves them: the parent ends its process group.)
-            with contextlib.suppress(Exception):
-                child.engine.engine_core.shutdown()
+        try:
+            req = P.decode(line)
+        except ValueError as err:  # an unknown op or a bad field: said, and the engine carries on
+            _reply({"error": f"bad request: {err}"})
+            continue
+        if isinstance(req, P.Exit):
+            cleanup()
             _reply({"bye": True})
             break
-        handler = OPS.get(op)
-        try:
-            _reply(handler(child, cmd) if handler else {"error": f"unknown op {op!r}"})
-        except Exception as err:
-            _reply({"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()})
+        answer(child, req)
     os._exit(0)  # skip interpreter teardown of the engine's threads
 
 

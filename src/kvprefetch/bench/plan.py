@@ -1,0 +1,281 @@
+"""What a bench run will do, decided from its options before anything runs: the first phase of the pipeline
+`BenchOptions` -> `plan_bench` -> `BenchPlan` -> `populate` -> `Populated` -> the cells' rows -> results.json.
+
+`BenchPlan` is frozen: every later phase reads it and none changes it; what the run measures (the regime, the
+chunk geometry, the store's priors) is the next phase's value (`kvprefetch.bench.populate.Populated`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kvprefetch.bench.modes import MODES, TWO_INSTANCE_MODES, StoreSizing, availability
+from kvprefetch.bench.protocol import EngineSpec, Placement
+from kvprefetch.bench.regime import DEFAULT_REGIME
+from kvprefetch.bench.topology import Topology, TopologyKind, plan_topology
+from kvprefetch.modes import SIMULATED as BENCH_MODES
+from kvprefetch.workload.agent import AgentBench, agent_workload
+from kvprefetch.workload.replay import (
+    CONTEXT,
+    CONTEXT_MAX_NUM_SEQS,
+    BenchWorkload,
+    ChatBench,
+    TraceBench,
+    chat_workload,
+    default_engine_kv_tokens,
+    trace_workload,
+)
+
+PACKAGED_MODEL = Path(__file__).with_name("models") / "tiny-llama"
+DEFAULT_MODES = ["recompute", "ondemand-serial", "ondemand-sync", "ondemand", "prefetch", "dram", "vllm-example",
+                 "lmcache"]
+DEFAULT_CONCURRENCY = [1, 8, 16, 32]
+QUICK_CONCURRENCY = [2, 8]
+AGENT_MODES = ["recompute", "ondemand-sync", "prefetch", "lease", "warm", "dram"]
+AGENT_CONCURRENCY = [1, 8]
+DRAM_LIFE_S = 0.4
+"""The agent workload's DRAM pressure (`kvprefetch.bench.pressure`): an unpinned chunk lasts this long after its
+last use, as under other engines' traffic on the node; below the shortest default tool gap (0.5 s), so an
+unleased head is on disk by its next turn."""
+AGENT_DRAM_HEADS = 5
+"""The agent workload's DRAM tier: this many heads of the largest level's sessions at once (so the lease budget,
+a quarter of it by default, holds every active session's head)."""
+SPEC_KEYS = ("load_format", "dtype", "max_num_seqs")  # engine args the spec sets itself
+CALIBRATE_EST_S = 15.0  # one engine's calibration (probes.calibrate), for the progress bar's ETA
+EST_PREFILL_TPS = 3000.0  # the progress bar's prior for the prefill speed, before it is measured
+
+
+@dataclass
+class BenchOptions:
+    """The run as asked (the command line's options, or a test's)."""
+
+    modes: list[str] = field(default_factory=lambda: list(DEFAULT_MODES))
+    concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
+    regime: float | None = DEFAULT_REGIME  # the run's regime (None: native); the goals are judged in it
+    sweep: list[float | None] = field(default_factory=list)  # further regimes, each measured as the first
+    model: str | None = None
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    out: Path | None = None
+    chat: ChatBench = CONTEXT  # the default workload (a ChatBench preset); chat: ChatBench()
+    trace: TraceBench | None = None
+    agent: AgentBench | None = None  # the agent workload (`kvprefetch.workload.agent`)
+    dram_life_s: float = DRAM_LIFE_S  # the agent workload's DRAM pressure
+    cache_dir: Path | None = None
+    chunk_tokens: int = 256
+    kv_cache_bytes: int | None = None  # engine KV cache; default: room for 4 of the longest requests
+    dram_bytes: int | None = None  # DRAM tier of the non-`dram` modes; default: see `store_sizing`
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = CONTEXT_MAX_NUM_SEQS  # None: the largest concurrency (nothing queues)
+    io_threads: int = 4
+    cell_timeout_s: float = 1800
+    keep_cache: bool = False
+    step_log: bool = False  # write every engine step of every cell to <out>/steps/<mode>-c<c>.jsonl
+    quick: bool = False
+    calibrate_modes: bool = True  # measure each simulated mode's engine too, after its cells (~15 s each)
+    remote_backend: str = "redis"  # the prefetch-remote mode's server: redis or mooncake
+    repeats: int = 3  # rounds of every cell, modes interleaved within a round (kvprefetch.bench.rounds)
+    topology: TopologyKind = "gpu-node"  # where the engines' threads run (kvprefetch.bench.topology)
+
+
+# ---- model --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str
+    load_format: str | None
+    config: dict
+    vocab_size: int
+    bytes_per_token: int  # KV bytes per token (all layers, K and V) at the engine's dtype
+    dtype: str
+    device: str
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return 4 if dtype in ("float32", "float") else 2
+
+
+def _model_config(path: str, engine_args: dict[str, Any]) -> dict:
+    """A local model's config.json, or a hub name's config (the engine fetches the same); {} if neither."""
+    p = Path(path)
+    if (p / "config.json").exists():
+        return json.loads((p / "config.json").read_text())
+    if not p.exists():
+        with contextlib.suppress(Exception):
+            from transformers import AutoConfig
+
+            hf = AutoConfig.from_pretrained(path, trust_remote_code=bool(engine_args.get("trust_remote_code")))
+            return (getattr(hf, "text_config", None) or hf).to_dict()
+    return {}
+
+
+def resolve_model(model: str | None, engine_args: dict[str, Any]) -> ModelInfo:
+    cuda = cuda_available()
+    path = str(model or PACKAGED_MODEL)
+    cfg = _model_config(path, engine_args)
+    p = Path(path)
+    has_weights = p.is_dir() and (any(p.glob("*.safetensors")) or any(p.glob("*.bin")))
+    load_format = engine_args.get("load_format") or ("dummy" if p.is_dir() and not has_weights else None)
+    dtype = str(engine_args.get("dtype") or ("auto" if cuda else "float32"))
+    eff = dtype if dtype != "auto" else str(cfg.get("torch_dtype") or "bfloat16")
+    layers = int(cfg.get("num_hidden_layers", 1))
+    heads = int(cfg.get("num_attention_heads", 1))
+    kv_heads = int(cfg.get("num_key_value_heads", heads))
+    head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size", 64)) // heads)
+    return ModelInfo(
+        path=path,
+        load_format=load_format,
+        config=cfg,
+        vocab_size=int(cfg.get("vocab_size", 32000)),
+        bytes_per_token=2 * layers * kv_heads * head_dim * _dtype_bytes(eff),
+        dtype=dtype,
+        device="cuda" if cuda else "cpu",
+    )
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+# ---- the plan -----------------------------------------------------------------------------------------------
+def build_workload(opts: BenchOptions, vocab: int, bytes_per_token: int = 0) -> BenchWorkload:
+    if opts.agent is not None:
+        return agent_workload(opts.agent, opts.concurrency, vocab)
+    if opts.trace is not None:
+        trace = opts.trace
+        if opts.kv_cache_bytes and bytes_per_token:  # an engine KV cache asked for: the levels outgrow it
+            trace = replace(trace, engine_kv_tokens=opts.kv_cache_bytes // bytes_per_token)
+        return trace_workload(trace, opts.concurrency, vocab)
+    return chat_workload(opts.chat, opts.concurrency, vocab)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def store_sizing(opts: BenchOptions, w: BenchWorkload, model: ModelInfo, topology: Topology) -> StoreSizing:
+    """The tiers of every connector mode but `dram`: room for the in-flight requests' KV 3 times over (what
+    prefetching the queue needs; 5 heads a session for the agent workload) and at least a quarter of the prelude:
+    enough for prefetch to work, not enough to hold every history."""
+    chunk = opts.chunk_tokens
+    prelude_chunks_est = math.ceil(w.prelude_tokens() / chunk)
+    chunk_bytes_est = chunk * model.bytes_per_token
+    heads = AGENT_DRAM_HEADS if opts.agent is not None else 3
+    in_flight = math.ceil(heads * max(opts.concurrency) * math.ceil(w.max_prompt_tokens() / chunk))
+    dram_default = max(in_flight, 4, math.ceil(prelude_chunks_est / 4)) * (chunk_bytes_est + 8192)
+    return StoreSizing(
+        chunk_tokens=chunk,
+        dram_bytes=int(opts.dram_bytes or dram_default),
+        disk_bytes=int(max(4 * (prelude_chunks_est + 64) * chunk_bytes_est, 1 << 30)),
+        io_threads=opts.io_threads,
+        io_cpus=topology.io_cpus(),
+    )
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    """Everything the options decide: the model, where its threads run, the workload and its sizes, the modes
+    that can run here."""
+
+    opts: BenchOptions
+    model: ModelInfo
+    topology: Topology
+    workload: BenchWorkload
+    max_num_seqs: int
+    max_model_len: int
+    kv_cache_bytes: int
+    sizing: StoreSizing  # before the regime is measured (`Populated.sizing` after)
+    modes: list[str]  # those asked that exist
+    avail: dict[str, tuple[bool, str]]  # each mode: can it run here, and why not
+    calibrates: bool  # each simulated mode's engine measured after its cells
+
+    @property
+    def running(self) -> list[str]:
+        return [m for m in self.modes if self.avail[m][0]]
+
+    @property
+    def agent(self) -> AgentBench | None:
+        return self.opts.agent
+
+    def engine_args(self) -> dict[str, Any]:
+        """Engine arguments the workload sets, then the user's. The agent workload runs vLLM without its prefix
+        cache: on a busy server the accelerator's memory holds other sessions' KV by the time a tool call
+        returns, so a turn's head comes from the tiers (or is recomputed), in every mode; a 2-core machine cannot
+        compute that other traffic without starving the turns it measures, so the bench declares its effect."""
+        ours = {"enable_prefix_caching": False} if self.agent is not None else {}
+        return ours | {k: v for k, v in self.opts.engine_args.items() if k not in SPEC_KEYS}
+
+    def engine_spec(self, kv_transfer: dict | None, *, cgroup: str | None, env: dict | None = None) -> EngineSpec:
+        topo = self.topology.spec()
+        return EngineSpec(
+            model=self.model.path,
+            load_format=self.model.load_format,
+            dtype=self.model.dtype,
+            max_model_len=self.max_model_len,
+            kv_cache_bytes=self.kv_cache_bytes,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.opts.max_num_batched_tokens,
+            engine_args=self.engine_args(),
+            kv_transfer_config=kv_transfer,
+            cgroup=cgroup,
+            env=env or {},
+            topology=Placement(**topo) if topo else None,
+        )
+
+    def cell_estimate(self, mode: str, c: int, tps: float) -> float:
+        """Seconds one cell should take (the progress bar's ETA)."""
+        tokens = self.workload.prompt_tokens(c)
+        heavy = mode in ("recompute", "vllm-example")
+        gaps = 0.0
+        if (a := self.agent) is not None:  # the tool gaps, c sessions at a time
+            waves = math.ceil(a.sessions_for(c) / c)
+            gaps = waves * a.measured_turns * ((a.gap_min_s + a.gap_max_s) / 2 + a.answer_tokens * 0.01)
+        return tokens / tps * (1.0 if heavy else 0.3) + 2 + gaps
+
+    def mode_estimate(self, mode: str, tps: float, rounds: int) -> float:
+        return rounds * sum(self.cell_estimate(mode, c, tps) for c in self.opts.concurrency)
+
+    def seconds_estimate(self) -> float:
+        """The whole run's seconds for the progress bar: populate, then each mode's start, cells, calibration."""
+        o = self.opts
+        total = 25 + 15 + self.workload.prelude_tokens() / EST_PREFILL_TPS + 20
+        for m in self.running:
+            calibrate = CALIBRATE_EST_S if m in BENCH_MODES and self.calibrates else 0.0
+            two = m in TWO_INSTANCE_MODES
+            rounds = 1 if two else o.repeats * (1 + len(o.sweep))
+            total += 25 * (2 if two else 1) + calibrate + self.mode_estimate(m, EST_PREFILL_TPS, rounds)
+        return total
+
+
+def plan_bench(opts: BenchOptions) -> BenchPlan:
+    model = resolve_model(opts.model, opts.engine_args)
+    cuda = model.device == "cuda"
+    tp = int(opts.engine_args.get("tensor_parallel_size") or 1)
+    topology = plan_topology(opts.topology if not cuda else "shared", tp)
+    w = build_workload(opts, model.vocab_size, model.bytes_per_token)
+    max_model_len = min(_round_up(w.max_len() + 64, 256), int(model.config.get("max_position_embeddings", 1 << 30)))
+    heads = max(4, max(opts.concurrency)) if opts.agent is not None else 4  # agent: every active session's turn
+    kv_cache_bytes = int(opts.kv_cache_bytes or default_engine_kv_tokens(w.max_len(), heads) * model.bytes_per_token)
+    modes = [m for m in opts.modes if m in MODES]
+    return BenchPlan(
+        opts=opts,
+        model=model,
+        topology=topology,
+        workload=w,
+        max_num_seqs=int(opts.engine_args.get("max_num_seqs") or opts.max_num_seqs or max(opts.concurrency)),
+        max_model_len=max_model_len,
+        kv_cache_bytes=kv_cache_bytes,
+        sizing=store_sizing(opts, w, model, topology),
+        modes=modes,
+        avail={m: availability(m, cuda, opts.remote_backend) for m in modes},
+        # the simulator does not model the agent workload (leases, warm-ups, no engine prefix cache)
+        calibrates=opts.calibrate_modes and opts.agent is None,
+    )

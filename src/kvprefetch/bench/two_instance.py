@@ -1,0 +1,84 @@
+"""The two-instance scenario's client (`kvprefetch bench --scenario two-instance`): two engines at once, each
+session's turns alternating between them, with one shared node-local cache (shared-2x) or a cache each
+(private-2x)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvprefetch.bench import protocol as P
+from kvprefetch.bench.client import EngineError
+from kvprefetch.bench.modes import route_turn
+from kvprefetch.bench.sessions import SessionSchedule
+from kvprefetch.bench.stats import merge_snapshots
+
+
+def drive_alternating(engines: list, sessions: list[dict], concurrency: int, timeout_s: float, tag: str, *,
+                      file: str, level: int, clock: Callable[[], float] = time.monotonic,
+                      idle_s: float = 0.001) -> dict:  # fmt: skip
+    """The two-instance scenario's client: sessions start as the single-engine driver starts them (arrival
+    order, at most `concurrency` at once), and turn k of every session goes to engine `route_turn(k)`, only
+    after turn k-1 finished (on the other engine) plus its think time. Engines run the `serve` protocol of
+    `engine_proc`; times are seconds since t0 on the machine's monotonic clock, shared by all processes.
+    Returns what one engine's `run` returns (records, wall_s, errors, before/after counters summed)."""
+    t0 = clock()
+    for eng in engines:
+        eng.call(P.Serve(file=file, level=level, tag=tag, t0=t0))
+    schedule = SessionSchedule(sessions, concurrency)
+    inflight = 0
+    recs: list[dict] = []
+    errors: list[str] = []
+
+    def on_done(rec: dict, now: float) -> None:
+        nonlocal inflight
+        inflight -= 1
+        i, k = int(rec.pop("session")), int(rec["turn"])
+        recs.append(rec)
+        schedule.turn_done(i, k, now, ok=rec.get("error") is None)
+
+    deadline = t0 + timeout_s
+    while schedule.waiting() or inflight:
+        now = clock() - t0
+        schedule.start_sessions(now)
+        for arrival, i, k in schedule.pop_due(now):
+            e = route_turn(k, len(engines))
+            engines[e].send(P.Add(i=i, k=k, arrival=arrival))
+            inflight += 1
+        got = False
+        for e, eng in enumerate(engines):
+            while (msg := eng.poll()) is not None:
+                if isinstance(m := P.serve_message(msg), P.Done):
+                    got = True
+                    on_done(m.rec | {"engine": e}, clock() - t0)
+        if clock() > deadline:
+            errors.append(f"cell timed out after {timeout_s:.0f}s")
+            break
+        if not got:
+            time.sleep(idle_s)
+    wall = clock() - t0
+    finals = [_end(eng, e, recs) for e, eng in enumerate(engines)]
+    foreign = [f.foreign_cpu_cores for f in finals if f.foreign_cpu_cores is not None]
+    return {
+        "records": recs,
+        "wall_s": wall,
+        "errors": errors,
+        # each engine counts the other as foreign: the smaller of the two is the closest to "the rest"
+        "foreign_cpu_cores": min(foreign) if foreign else None,
+        "before": merge_snapshots([f.before for f in finals]),
+        "after": merge_snapshots([f.after for f in finals]),
+    }
+
+
+def _end(eng, e: int, recs: list[dict]) -> P.Served:
+    """Engine e told `End`: the records of the requests it aborted (the cell timed out) added to `recs`, then
+    its last message."""
+    eng.send(P.End())
+    while True:
+        msg = eng.poll(timeout=600)
+        if msg is None:
+            raise EngineError(f"engine {e} did not finish serving")
+        m = P.serve_message(msg)
+        if isinstance(m, P.Served):
+            return m
+        recs.append({k: v for k, v in m.rec.items() if k != "session"} | {"engine": e})
