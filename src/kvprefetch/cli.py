@@ -55,8 +55,8 @@ def iobench(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
 ) -> None:
     """Storage benchmark: fio's ceiling vs the disk tier's serial and parallel cold reads, and write-back."""
-    from kvprefetch.bench.fio_reference import fio_available
-    from kvprefetch.bench.iobench import run_iobench
+    from kvprefetch.bench.micro.fio_reference import fio_available
+    from kvprefetch.bench.micro.iobench import run_iobench
 
     total, chunk_bytes = parse_size(size), parse_size(chunk)
     if fio and not fio_available():
@@ -120,9 +120,9 @@ def _print_iobench(result, base: Path) -> None:
 
 def _register_subcommands() -> None:
     from kvprefetch.bench.bench_cli import register as register_bench
-    from kvprefetch.bench.remotebench_cli import register as register_remotebench
+    from kvprefetch.bench.micro.loadbench_cli import register as register_loadbench
+    from kvprefetch.bench.micro.remotebench_cli import register as register_remotebench
     from kvprefetch.bench.serve_bench_cli import register as register_bench_serve
-    from kvprefetch.loader.cli import register as register_loadbench
     from kvprefetch.serve_cli import register as register_serve
     from kvprefetch.sim.cli import register as register_sim
     from kvprefetch.status_cli import register as register_status

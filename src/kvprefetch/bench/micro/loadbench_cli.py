@@ -1,4 +1,4 @@
-"""`kvprefetch loadbench`: the weight loaders side by side (see kvprefetch.loader.loadbench)."""
+"""`kvprefetch loadbench`: the weight loaders side by side (see kvprefetch.bench.micro.loadbench)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def loadbench(
     """Load one checkpoint with vLLM's default loader, runai_streamer, fastsafetensors and kvprefetch (cold
     local, cold from throttled 'network' storage, warm from the node's DRAM pool and from the disk cache), next
     to fio's ceiling."""
+    from kvprefetch.bench.micro.loadbench import LoadBench, goals, make_checkpoint, plot, timestamp
     from kvprefetch.config import default_cache_dir
-    from kvprefetch.loader.loadbench import LoadBench, goals, make_checkpoint, plot, timestamp
     from kvprefetch.loader.settings import LoaderSettings
 
     settings = LoaderSettings.from_extra_config(json.loads(extra))
@@ -50,7 +50,7 @@ def loadbench(
         int(settings.block_bytes),
         progress=lambda s: console.print(f"[dim]{s}[/dim]"),
     )
-    from kvprefetch.bench.hugepages import reserved_huge_pages
+    from kvprefetch.bench.micro.hugepages import reserved_huge_pages
 
     with reserved_huge_pages(huge_page_bytes(settings, model)) as huge:
         if not huge:

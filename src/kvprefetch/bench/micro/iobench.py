@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvprefetch.bench.fio_reference import FioReference, FioRun, fio_available
-from kvprefetch.bench.hugepages import reserved_huge_pages
+from kvprefetch.bench.micro.fio_reference import FioReference, FioRun, fio_available
+from kvprefetch.bench.micro.hugepages import reserved_huge_pages
 from kvprefetch.config import StoreConfig
 from kvprefetch.store import TieredStore
 from kvprefetch.tiers.chunk_format import image_bytes
