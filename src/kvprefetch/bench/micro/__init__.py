@@ -4,7 +4,7 @@
     remotebench  the remote tier's reads against the backend's raw client (`kvprefetch remotebench`)
     loadbench    the weight loader against vLLM's loaders and fio (`kvprefetch loadbench`)
     fio_reference  fio's read ceiling on iobench's directory; hugepages  2 MiB pages reserved for a run
-    *_cli        the commands, registered by kvprefetch.cli
+    *_cli        their commands (iobench_cli, remotebench_cli, loadbench_cli), registered by kvprefetch.cli
 
 The serving benchmark (`kvprefetch bench`, the rest of kvprefetch.bench) measures whole engines under a workload;
 these measure one layer each, so a change to that layer is judged on it alone.
