@@ -42,6 +42,7 @@ def _register_subcommands() -> None:
     from kvprefetch.bench.bench_cli import register as register_bench
     from kvprefetch.bench.micro.iobench_cli import register as register_iobench
     from kvprefetch.bench.micro.loadbench_cli import register as register_loadbench
+    from kvprefetch.bench.micro.poolbench_cli import register as register_poolbench
     from kvprefetch.bench.micro.remotebench_cli import register as register_remotebench
     from kvprefetch.bench.serve_bench_cli import register as register_bench_serve
     from kvprefetch.serve_cli import register as register_serve
@@ -56,6 +57,7 @@ def _register_subcommands() -> None:
     register_status(app)
     register_trace(app)
     register_loadbench(app)
+    register_poolbench(app)
     register_serve(app)
     register_bench_serve(app)
 
