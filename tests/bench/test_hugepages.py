@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from kvprefetch.bench.hugepages import FREE, NR, PAGE, SURPLUS, reserved_huge_pages
+from kvprefetch.bench.micro.hugepages import FREE, NR, PAGE, SURPLUS, reserved_huge_pages
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not NR.exists() or not hasattr(os, "MFD_HUGETLB"), reason="needs root and hugetlb"

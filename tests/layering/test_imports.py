@@ -147,3 +147,16 @@ def test_the_connector_does_not_import_bench_or_sim():
         if _under(d, ("kvprefetch.bench", "kvprefetch.sim"))
     }
     assert bad == set()
+
+
+def test_the_loader_does_not_import_bench():
+    """The weight loader runs inside vLLM's workers; its benchmark (bench.micro.loadbench) imports it, not the
+    other way round."""
+    bad = {
+        (m, d)
+        for m, deps in import_graph().items()
+        if _under(m, ("kvprefetch.loader",))
+        for d in deps
+        if _under(d, ("kvprefetch.bench",))
+    }
+    assert bad == set()

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvprefetch.bench.hugepages import reserved_huge_pages
+from kvprefetch.bench.micro.hugepages import reserved_huge_pages
 from kvprefetch.tiers.disk import DiskFullError, DiskTier
 from kvprefetch.tiers.dram import SHM_DIR
 

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from kvprefetch.bench.iobench import huge_page_pool
+from kvprefetch.bench.micro.iobench import huge_page_pool
 from kvprefetch.store import TieredStore
 from kvprefetch.tiers.dram import PoolGeometryError
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvprefetch.bench.hugepages import reserved_huge_pages
+from kvprefetch.bench.micro.hugepages import reserved_huge_pages
 from kvprefetch.tiers.inflight import InflightBytes
 from kvprefetch.tiers.staging import StagingBuffers
 

@@ -413,7 +413,7 @@ class SharedChunkPool:
 
         Faulting every page in by touching it (as before) reserves as well, but on our VM a 2 GiB pool took 1.9 s
         so (3.7 s under load, up to 30 s on a freshly booted VM) against 0.55 s with fallocate, and the first
-        request's load into its slots was not faster for it (0.87 s against 0.20 s; benchmarks/pool_reserve.py).
+        request's load into its slots was not faster for it (0.87 s against 0.20 s; `kvprefetch poolbench`).
         """
         try:
             os.posix_fallocate(self._fd, 0, size)

@@ -22,7 +22,7 @@ def remotebench(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the rows as JSON here.")] = None,
 ) -> None:
     """Remote tier (Redis, Mooncake Store) read bandwidth through kvprefetch vs the raw client, one run."""
-    from kvprefetch.bench.remotebench import run_all
+    from kvprefetch.bench.micro.remotebench import run_all
     from kvprefetch.cli_args import parse_size
 
     backends = backend or ["redis", "mooncake"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvprefetch.loader.loadbench import MODES, LoadBench, goals, plot
+from kvprefetch.bench.micro.loadbench import MODES, LoadBench, goals, plot
 
 
 def test_rows_medians_ratios_unavailable_and_goals(tmp_path):

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvprefetch.bench.fio_reference import FioReference, FioRun, fio_available
-from kvprefetch.bench.hugepages import reserved_huge_pages
+from kvprefetch.bench.micro.fio_reference import FioReference, FioRun, fio_available
+from kvprefetch.bench.micro.hugepages import reserved_huge_pages
 from kvprefetch.config import StoreConfig
 from kvprefetch.store import TieredStore
 from kvprefetch.tiers.chunk_format import image_bytes
@@ -83,91 +83,181 @@ def run_iobench(
     shared disk moves both alike.
     """
     directory.mkdir(parents=True, exist_ok=True)
+    plan = _plan(directory, total_bytes, chunk_bytes, threads, repeats)
+    with contextlib.ExitStack() as cleanup:  # unwinds last to first: fio's file (once laid out), then our chunks
+        cleanup.callback(subprocess.run, ["rm", "-rf", str(plan.data_dir)], check=False)
+        with huge_page_pool(plan.huge_page_bytes) as huge_dir:
+            pool = _on_the_pool(plan, huge_dir, use_fio, progress, cleanup)
+            parallel_4k = _parallel_on_4k_pages(plan, huge_dir, progress)
+        progress("done", 1.0)
+    return _result(plan, pool, parallel_4k)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What every phase shares: the chunks (their keys and size), where their files go, and the run's shape."""
+
+    directory: Path
+    data_dir: Path
+    keys: list[bytes]
+    chunk_bytes: int
+    threads: int
+    repeats: int
+
+    @property
+    def total_bytes(self) -> int:
+        return len(self.keys) * self.chunk_bytes
+
+    @property
+    def pool_bytes(self) -> int:
+        """The DRAM pool: 64 chunk images and 8 MiB, whatever the run's size."""
+        return 64 * image_bytes(self.chunk_bytes) + (8 << 20)
+
+    @property
+    def huge_page_bytes(self) -> int:
+        """What the huge pages must hold: the pool, 64 chunks besides (fio's buffers) and the threads' staging."""
+        staging = self.threads * (image_bytes(self.chunk_bytes) + (2 << 20))
+        return self.pool_bytes + 64 * self.chunk_bytes + staging
+
+
+def _plan(directory: Path, total_bytes: int, chunk_bytes: int, threads: int, repeats: int) -> _Plan:
+    """`total_bytes` rounded down to whole chunks (one at least), each under a fresh key."""
     n_chunks = max(1, total_bytes // chunk_bytes)
-    total_bytes = n_chunks * chunk_bytes
     keys = [uuid.uuid4().bytes * 2 for _ in range(n_chunks)]
     data_dir = Path(tempfile.mkdtemp(prefix="iobench-", dir=directory))
-    pool_bytes = 64 * image_bytes(chunk_bytes) + (8 << 20)
-    fio: FioReference | None = None
-    fio_runs: list[FioRun] = []
-    fio_medians: list[float] = []
-    parallel_runs: list[float] = []
-    unstaged_runs: list[float] = []
+    return _Plan(directory, data_dir, keys, chunk_bytes, threads, repeats)
+
+
+@dataclass(frozen=True)
+class _FioCeiling:
+    """fio's file on the device, every job of its sweep, and the best one (the one the rounds repeat)."""
+
+    reference: FioReference
+    runs: list[FioRun]
+    best: FioRun
+
+
+@dataclass(frozen=True)
+class _Rounds:
+    """The interleaved rounds' figures (GB/s), one per round each: ours, fio's best job, ours without staging."""
+
+    parallel: list[float]
+    fio: list[float]
+    unstaged: list[float]
+
+
+@dataclass(frozen=True)
+class _PoolRun:
+    """Everything measured on the first pool (on huge pages where they could be had)."""
+
+    backing: str
+    write_gbps: float
+    fio: _FioCeiling | None
+    serial_gbps: float
+    inflight_sweep: dict[int, float]
+    read_inflight_bytes: int
+    rounds: _Rounds
+    get_into_gbps: float
+    raw_pool_gbps: float
+
+
+def _on_the_pool(
+    plan: _Plan, huge_dir: Path | None, use_fio: bool, progress: Progress, cleanup: contextlib.ExitStack
+) -> _PoolRun:
+    """Write-back, fio's sweep, then our reads on one store, in that order: fio lays its file out after our
+    chunks are written, and our parallel reads run at the best cap on reads in flight that the sweep found."""
+    backing = "hugetlbfs" if huge_dir else "shm"
+    progress("write-back", 0.0)
+    store = _store(plan, backing)
     try:
-        staging_bytes = threads * (image_bytes(chunk_bytes) + (2 << 20))
-        with huge_page_pool(pool_bytes + 64 * chunk_bytes + staging_bytes) as huge_dir:
-            backing = "hugetlbfs" if huge_dir else "shm"
-            progress("write-back", 0.0)
-            store = _store(data_dir, chunk_bytes, threads, pool_bytes, backing)
-            try:
-                write_gbps = _write_all(store, keys, chunk_bytes)
-                if use_fio and fio_available():
-                    progress("fio: laying out its file, sweeping depths and buffers", 0.15)
-                    fio = FioReference(directory, total_bytes, chunk_bytes)
-                    memories = ["malloc"] + ([f"mmaphuge:{huge_dir}/fio-buffer", "shmhuge"] if huge_dir else [])
-                    fio_runs = fio.sweep((1, 4, 16), memories)
-                    best = max(fio_runs, key=lambda r: r.gbps)
-                progress("serial reads", 0.45)
-                serial = _median(repeats, lambda: _read_all(store, keys, parallel=False))
-                progress("parallel reads: sweeping reads in flight", 0.5)
-                sweep = _sweep_inflight(store, keys, threads)
-                inflight = max(sweep, key=sweep.get)
-                _set_inflight(store, inflight)
-                for i in range(repeats):
-                    progress(f"parallel reads vs fio, round {i + 1}/{repeats}", 0.6 + 0.25 * i / repeats)
-                    parallel_runs.append(_read_all(store, keys, parallel=True))
-                    if fio is not None:
-                        fio_medians.append(fio.read(best.iodepth, best.iomem).gbps)
-                    if store.disk.staging is not None:
-                        with _unstaged(store):
-                            unstaged_runs.append(_read_all(store, keys, parallel=True))
-                progress("demand loads into caller memory", 0.8)
-                get_into = _median(repeats, lambda: _get_into_all(store, keys, chunk_bytes))
-                progress("raw preadv into the pool's memory", 0.85)
-                raw_pool = _median(repeats, lambda: _raw_read_all(store, keys))
-            finally:
-                _close(store)
-                if huge_dir:  # fio leaves its huge-page buffer file behind
-                    (huge_dir / "fio-buffer").unlink(missing_ok=True)
-            parallel_4k = None
-            if huge_dir:
-                progress("parallel reads, 4 KiB pages", 0.9)
-                store = _store(data_dir, chunk_bytes, threads, pool_bytes, "shm")
-                try:
-                    parallel_4k = _median(repeats, lambda: _read_all(store, keys, parallel=True))
-                finally:
-                    _close(store)
-        progress("done", 1.0)
+        write_gbps = _write_all(store, plan.keys, plan.chunk_bytes)
+        fio = _fio_ceiling(plan, huge_dir, progress, cleanup) if use_fio and fio_available() else None
+        progress("serial reads", 0.45)
+        serial = _median(plan.repeats, lambda: _read_all(store, plan.keys, parallel=False))
+        progress("parallel reads: sweeping reads in flight", 0.5)
+        sweep = _sweep_inflight(store, plan.keys, plan.threads)
+        inflight = max(sweep, key=sweep.get)
+        _set_inflight(store, inflight)
+        rounds = _interleaved_rounds(store, plan, fio, progress)
+        progress("demand loads into caller memory", 0.8)
+        get_into = _median(plan.repeats, lambda: _get_into_all(store, plan.keys, plan.chunk_bytes))
+        progress("raw preadv into the pool's memory", 0.85)
+        raw_pool = _median(plan.repeats, lambda: _raw_read_all(store, plan.keys))
     finally:
+        _close(store)
+        if huge_dir:  # fio leaves its huge-page buffer file behind
+            (huge_dir / "fio-buffer").unlink(missing_ok=True)
+    return _PoolRun(backing, write_gbps, fio, serial, sweep, inflight, rounds, get_into, raw_pool)
+
+
+def _fio_ceiling(plan: _Plan, huge_dir: Path | None, progress: Progress, cleanup: contextlib.ExitStack) -> _FioCeiling:
+    """fio's file laid out in the measured directory (removed by `cleanup`, however the run ends) and every
+    (queue depth, buffer type) pair read once; buffers on huge pages where the run has a hugetlbfs mount."""
+    progress("fio: laying out its file, sweeping depths and buffers", 0.15)
+    reference = cleanup.enter_context(
+        contextlib.closing(FioReference(plan.directory, plan.total_bytes, plan.chunk_bytes))
+    )
+    memories = ["malloc"] + ([f"mmaphuge:{huge_dir}/fio-buffer", "shmhuge"] if huge_dir else [])
+    runs = reference.sweep((1, 4, 16), memories)
+    return _FioCeiling(reference, runs, max(runs, key=lambda r: r.gbps))
+
+
+def _interleaved_rounds(store: TieredStore, plan: _Plan, fio: _FioCeiling | None, progress: Progress) -> _Rounds:
+    """Our parallel read, fio's best job and our read straight into the slots, in turn, `repeats` times."""
+    rounds = _Rounds(parallel=[], fio=[], unstaged=[])
+    for i in range(plan.repeats):
+        progress(f"parallel reads vs fio, round {i + 1}/{plan.repeats}", 0.6 + 0.25 * i / plan.repeats)
+        rounds.parallel.append(_read_all(store, plan.keys, parallel=True))
         if fio is not None:
-            fio.close()
-        subprocess.run(["rm", "-rf", str(data_dir)], check=False)
+            rounds.fio.append(fio.reference.read(fio.best.iodepth, fio.best.iomem).gbps)
+        if store.disk.staging is not None:
+            with _unstaged(store):
+                rounds.unstaged.append(_read_all(store, plan.keys, parallel=True))
+    return rounds
+
+
+def _parallel_on_4k_pages(plan: _Plan, huge_dir: Path | None, progress: Progress) -> float | None:
+    """The parallel read again on a pool of ordinary pages, for the side-by-side row; None when the first pool
+    was on them already."""
+    if not huge_dir:
+        return None
+    progress("parallel reads, 4 KiB pages", 0.9)
+    store = _store(plan, "shm")
+    try:
+        return _median(plan.repeats, lambda: _read_all(store, plan.keys, parallel=True))
+    finally:
+        _close(store)
+
+
+def _result(plan: _Plan, pool: _PoolRun, parallel_4k: float | None) -> IOBenchResult:
+    """The medians of the rounds, and the rest as measured."""
+    rounds = pool.rounds
     return IOBenchResult(
-        chunk_bytes=chunk_bytes,
-        total_bytes=total_bytes,
-        threads=threads,
-        fio_read_gbps=statistics.median(fio_medians) if fio_medians else None,
-        serial_read_gbps=serial,
-        parallel_read_gbps=statistics.median(parallel_runs),
-        parallel_read_gbps_unstaged=statistics.median(unstaged_runs) if unstaged_runs else None,
+        chunk_bytes=plan.chunk_bytes,
+        total_bytes=plan.total_bytes,
+        threads=plan.threads,
+        fio_read_gbps=statistics.median(rounds.fio) if rounds.fio else None,
+        serial_read_gbps=pool.serial_gbps,
+        parallel_read_gbps=statistics.median(rounds.parallel),
+        parallel_read_gbps_unstaged=statistics.median(rounds.unstaged) if rounds.unstaged else None,
         parallel_read_gbps_4k_pages=parallel_4k,
-        get_into_gbps=get_into,
-        raw_pool_read_gbps=raw_pool,
-        write_gbps=write_gbps,
-        dram_backing=backing,
-        fio_runs=fio_runs,
-        read_inflight_bytes=inflight,
-        inflight_sweep=sweep,
+        get_into_gbps=pool.get_into_gbps,
+        raw_pool_read_gbps=pool.raw_pool_gbps,
+        write_gbps=pool.write_gbps,
+        dram_backing=pool.backing,
+        fio_runs=pool.fio.runs if pool.fio else [],
+        read_inflight_bytes=pool.read_inflight_bytes,
+        inflight_sweep=pool.inflight_sweep,
     )
 
 
-def _store(data_dir: Path, chunk_bytes: int, threads: int, pool_bytes: int, backing: str) -> TieredStore:
+def _store(plan: _Plan, backing: str) -> TieredStore:
     config = StoreConfig.load(
-        dram={"capacity_bytes": pool_bytes, "pool_name": f"iobench-{uuid.uuid4().hex[:8]}", "backing": backing},
-        disk={"path": str(data_dir), "capacity_bytes": 1 << 50},
-        io={"threads": threads},
+        dram={"capacity_bytes": plan.pool_bytes, "pool_name": f"iobench-{uuid.uuid4().hex[:8]}", "backing": backing},
+        disk={"path": str(plan.data_dir), "capacity_bytes": 1 << 50},
+        io={"threads": plan.threads},
     )
-    return TieredStore(config, chunk_bytes=chunk_bytes)
+    return TieredStore(config, chunk_bytes=plan.chunk_bytes)
 
 
 def _close(store: TieredStore) -> None:

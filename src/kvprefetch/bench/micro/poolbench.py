@@ -1,7 +1,7 @@
-"""How a new DRAM pool should get its memory: start-up time against the first request's load time.
+"""`kvprefetch poolbench`: how a new DRAM pool should get its memory, start-up time against the first request's load.
 
-    python benchmarks/pool_reserve.py                      # 2 GiB pool, 3 interleaved rounds
-    python benchmarks/pool_reserve.py --pool 2GiB --chunk 16MiB --chunks 8 --repeats 5 --json out.json
+    kvprefetch poolbench                      # 2 GiB pool, 3 interleaved rounds
+    kvprefetch poolbench --pool 2GiB --chunk 16MiB --chunks 8 --repeats 5 --json out.json
 
 Three ways, each round in turn on a fresh pool of the same size (interleaved, so a busy machine moves them alike):
 
@@ -20,29 +20,25 @@ and the RAM the pool's file holds afterwards.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from pydantic import ByteSize, TypeAdapter
 
 from kvprefetch.config import StoreConfig
 from kvprefetch.keys import ChunkKeyer, KVNamespace
 from kvprefetch.store import TieredStore
 from kvprefetch.tiers.chunk_format import image_bytes
 from kvprefetch.tiers.disk import DiskTier
-from kvprefetch.tiers.dram import SHM_DIR, SharedChunkPool
+from kvprefetch.tiers.dram import SharedChunkPool
 
 WAYS = ("touch", "fallocate", "first_write")
 
-
-def size(text: str) -> int:
-    return int(TypeAdapter(ByteSize).validate_python(text))
+Progress = Callable[[int, str, dict], None]  # (round, way, that round's figures) as each round ends
 
 
 def load(pool: SharedChunkPool, disk: DiskTier, keys: list[bytes], out: list[np.ndarray]) -> float:
@@ -76,37 +72,38 @@ def one_round(way: str, pool_bytes: int, chunk_bytes: int, disk: DiskTier, keys:
     return {"create_s": create_s, "first_load_s": first_s, "touched_load_s": again_s, "held_bytes": held}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pool", default="2GiB")
-    ap.add_argument("--chunk", default="16MiB")
-    ap.add_argument("--chunks", type=int, default=8, help="chunks the first request loads")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", type=Path)
-    a = ap.parse_args()
-    pool_bytes, chunk_bytes = size(a.pool), size(a.chunk)
+def run_poolbench(
+    pool_bytes: int, chunk_bytes: int, chunks: int, repeats: int, progress: Progress = lambda r, way, fig: None
+) -> dict[str, list[dict]]:
+    """Every way once per round, `repeats` rounds, on one disk tier seeded with the chunks: each way's rounds."""
     with tempfile.TemporaryDirectory() as tmp:
-        disk = Path(tmp) / "disk"
-        ns = KVNamespace(model="reserve-bench", num_layers=1, num_kv_heads=1, head_dim=1, dtype="float16")
-        keys = ChunkKeyer(ns, 16).keys(range(16 * a.chunks))
-        seed_cfg = StoreConfig.load(
-            dram={"capacity_bytes": (a.chunks + 2) * image_bytes(chunk_bytes), "pool_name": f"seed-{uuid.uuid4().hex}"},
-            disk={"path": str(disk), "capacity_bytes": 1 << 40, "direct_io": False},
-        )
-        with TieredStore(seed_cfg, chunk_bytes=chunk_bytes) as seed:
-            payload = np.random.default_rng(0).integers(0, 256, chunk_bytes, dtype=np.uint8)
-            seed.put(keys, [payload] * len(keys)).result()
-            seed.dram.destroy()
-        tier = DiskTier(disk, 1 << 40, direct_io=False)  # files in the page cache: the slots' writes differ
+        tier, keys = seeded_disk(Path(tmp) / "disk", chunk_bytes, chunks)
         runs: dict[str, list[dict]] = {w: [] for w in WAYS}
-        for r in range(a.repeats):
+        for r in range(repeats):
             for way in WAYS:
                 runs[way].append(one_round(way, pool_bytes, chunk_bytes, tier, keys))
-                print(f"round {r + 1} {way:<11} " + " ".join(f"{k}={v:.3f}" for k, v in runs[way][-1].items()
-                                                           if k.endswith("_s")), flush=True)  # fmt: skip
-    print(f"\n{a.pool} pool in {SHM_DIR}, first request loads {a.chunks} x {a.chunk}; medians of {a.repeats} "
-          f"(min-max)")  # fmt: skip
-    print(f"{'way':<12} {'create s':>20} {'first load s':>20} {'touched load s':>20} {'RAM held GiB':>13}")
+                progress(r, way, runs[way][-1])
+    return runs
+
+
+def seeded_disk(disk: Path, chunk_bytes: int, chunks: int) -> tuple[DiskTier, list[bytes]]:
+    """`chunks` chunks written to a disk tier by a store (then its pool removed), and the tier opened to read them
+    through the page cache: the files cost the same for every way, so the slots' first writes are what differs."""
+    ns = KVNamespace(model="reserve-bench", num_layers=1, num_kv_heads=1, head_dim=1, dtype="float16")
+    keys = ChunkKeyer(ns, 16).keys(range(16 * chunks))
+    seed_cfg = StoreConfig.load(
+        dram={"capacity_bytes": (chunks + 2) * image_bytes(chunk_bytes), "pool_name": f"seed-{uuid.uuid4().hex}"},
+        disk={"path": str(disk), "capacity_bytes": 1 << 40, "direct_io": False},
+    )
+    with TieredStore(seed_cfg, chunk_bytes=chunk_bytes) as seed:
+        payload = np.random.default_rng(0).integers(0, 256, chunk_bytes, dtype=np.uint8)
+        seed.put(keys, [payload] * len(keys)).result()
+        seed.dram.destroy()
+    return DiskTier(disk, 1 << 40, direct_io=False), keys
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per way: each time's median, min and max over the rounds, and the median RAM the pool held (GiB)."""
     summary = {}
     for way, rs in runs.items():
         cols = {}
@@ -115,11 +112,4 @@ def main() -> None:
             cols[k] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
         cols["held_gib"] = statistics.median(x["held_bytes"] for x in rs) / 2**30
         summary[way] = cols
-        cell = [f"{c['median']:.3f} ({c['min']:.2f}-{c['max']:.2f})" for c in list(cols.values())[:3]]
-        print(f"{way:<12} {cell[0]:>20} {cell[1]:>20} {cell[2]:>20} {cols['held_gib']:>13.2f}")
-    if a.json:
-        a.json.write_text(json.dumps({"args": vars(a) | {"json": str(a.json)}, "runs": runs, "summary": summary}))
-
-
-if __name__ == "__main__":
-    main()
+    return summary

@@ -1,14 +1,19 @@
-"""`kvprefetch loadbench`: the weight loaders side by side (see kvprefetch.loader.loadbench)."""
+"""`kvprefetch loadbench`: the weight loaders side by side (see kvprefetch.bench.micro.loadbench)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:  # the bench and the loader load when the command runs, not at every `kvprefetch` start
+    from kvprefetch.bench.micro.loadbench import LoadBench, Row
+    from kvprefetch.loader.settings import LoaderSettings
 
 console = Console()
 
@@ -29,19 +34,40 @@ def loadbench(
     """Load one checkpoint with vLLM's default loader, runai_streamer, fastsafetensors and kvprefetch (cold
     local, cold from throttled 'network' storage, warm from the node's DRAM pool and from the disk cache), next
     to fio's ceiling."""
+    from kvprefetch.bench.micro.loadbench import timestamp
     from kvprefetch.config import default_cache_dir
-    from kvprefetch.loader.loadbench import LoadBench, goals, make_checkpoint, plot, timestamp
     from kvprefetch.loader.settings import LoaderSettings
 
     settings = LoaderSettings.from_extra_config(json.loads(extra))
     work = (directory or default_cache_dir() / "loadbench").expanduser()
     work.mkdir(parents=True, exist_ok=True)
     if model is None:
-        model = work / f"llama-{layers}x{hidden}-bf16"
-        if not model.exists():
-            console.print(f"writing a random checkpoint to {model} ...")
-            make_checkpoint(model, layers, hidden, shard_size)
-    bench = LoadBench(
+        model = _generated_checkpoint(work, layers, hidden, shard_size)
+    bench = _bench(model, work, repeats, network_gbps, settings)
+    rows = _run(bench, settings)
+    report = _report(bench, rows)
+    _print_report(report, bench.notes)
+    out = work / f"loadbench-{timestamp()}"
+    _write(report, out, json_path)
+    console.print(f"wrote {out}/results.json and loadbench.png")
+
+
+def _generated_checkpoint(work: Path, layers: int, hidden: int, shard_size: str) -> Path:
+    """The random Llama of this shape in the work directory, written on the first run that asks for it."""
+    from kvprefetch.bench.micro.loadbench import make_checkpoint
+
+    model = work / f"llama-{layers}x{hidden}-bf16"
+    if not model.exists():
+        console.print(f"writing a random checkpoint to {model} ...")
+        make_checkpoint(model, layers, hidden, shard_size)
+    return model
+
+
+def _bench(model: Path, work: Path, repeats: int, network_gbps: float, settings: LoaderSettings) -> LoadBench:
+    """The comparison, set up: our passes run with the settings that differ from the defaults."""
+    from kvprefetch.bench.micro.loadbench import LoadBench
+
+    return LoadBench(
         model,
         work,
         repeats,
@@ -50,22 +76,56 @@ def loadbench(
         int(settings.block_bytes),
         progress=lambda s: console.print(f"[dim]{s}[/dim]"),
     )
-    from kvprefetch.bench.hugepages import reserved_huge_pages
 
-    with reserved_huge_pages(huge_page_bytes(settings, model)) as huge:
+
+def _run(bench: LoadBench, settings: LoaderSettings) -> list[Row]:
+    """Every pass, on huge pages reserved for the run where they can be had (fio's sweep then tries them too)."""
+    from kvprefetch.bench.micro.hugepages import reserved_huge_pages
+
+    with reserved_huge_pages(huge_page_bytes(settings, bench.model)) as huge:
         if not huge:
             bench.notes.append("no huge pages could be reserved: shard buffers and fio's on ordinary pages")
         bench.huge_pages = huge
-        rows = bench.run()
+        return bench.run()
+
+
+@dataclass(frozen=True)
+class _Report:
+    """What the run printed and wrote: the rows, the goals judged on them, and results.json's content."""
+
+    title: str
+    rows: list[Row]
+    goals: list[tuple[str, float | None, float, bool | None]]
+    payload: dict
+
+
+def _report(bench: LoadBench, rows: list[Row]) -> _Report:
+    """The checkpoint's size in the title, the goals judged once for the screen and the file alike."""
+    from kvprefetch.bench.micro.loadbench import goals
     from kvprefetch.loader.shards import open_checkpoint
 
-    ckpt = open_checkpoint(model)
+    ckpt = open_checkpoint(bench.model)
     size = f"{ckpt.total_bytes / 1e9:.2f} GB in {len(ckpt.shards)} shards"
-    title = f"kvprefetch loadbench: {model.name}, {size}, median of {repeats}"
-    table = Table(title=title)
+    title = f"kvprefetch loadbench: {bench.model.name}, {size}, median of {bench.repeats}"
+    judged = goals(rows)
+    payload = {
+        "model": str(bench.model),
+        "total_bytes": ckpt.total_bytes,
+        "shards": len(ckpt.shards),
+        "repeats": bench.repeats,
+        "notes": bench.notes,
+        "identity_seconds": bench.identity_seconds,
+        "rows": [r.as_json() for r in rows],
+        "goals": [{"goal": n, "ratio": v, "target": t, "met": m} for n, v, t, m in judged],
+    }
+    return _Report(title, rows, judged, payload)
+
+
+def _print_report(report: _Report, notes: list[str]) -> None:
+    table = Table(title=report.title)
     for col in ("loader", "regime", "seconds", "GB/s", "vs default", "samples / why unavailable"):
         table.add_column(col, justify="left" if col in ("loader", "regime", "samples / why unavailable") else "right")
-    for r in rows:
+    for r in report.rows:
         table.add_row(
             r.loader,
             r.regime,
@@ -75,31 +135,26 @@ def loadbench(
             " ".join(f"{s:.2f}" for s in r.samples) if r.samples else f"unavailable: {r.unavailable}",
         )
     console.print(table)
-    for note in bench.notes:
+    for note in notes:
         console.print(f"  {note}")
-    for name, value, target, met in goals(rows):
+    for name, value, target, met in report.goals:
         verdict = "n/a" if met is None else "met" if met else "NOT met"
         console.print(f"  goal {name}: {'-' if value is None else f'{value:.2f}x'} (target >= {target}x): {verdict}")
-    out = work / f"loadbench-{timestamp()}"
+
+
+def _write(report: _Report, out: Path, json_path: Path | None) -> None:
+    """results.json and the plot in the run's own directory; the same JSON at --json too."""
+    from kvprefetch.bench.micro.loadbench import plot
+
     out.mkdir(exist_ok=True)
-    payload = {
-        "model": str(model),
-        "total_bytes": ckpt.total_bytes,
-        "shards": len(ckpt.shards),
-        "repeats": repeats,
-        "notes": bench.notes,
-        "identity_seconds": bench.identity_seconds,
-        "rows": [r.as_json() for r in rows],
-        "goals": [{"goal": n, "ratio": v, "target": t, "met": m} for n, v, t, m in goals(rows)],
-    }
-    (out / "results.json").write_text(json.dumps(payload, indent=2) + "\n")
-    plot(rows, out / "loadbench.png", title)
+    text = json.dumps(report.payload, indent=2) + "\n"
+    (out / "results.json").write_text(text)
+    plot(report.rows, out / "loadbench.png", report.title)
     if json_path is not None:
-        json_path.write_text(json.dumps(payload, indent=2) + "\n")
-    console.print(f"wrote {out}/results.json and loadbench.png")
+        json_path.write_text(text)
 
 
-def huge_page_bytes(settings, model: Path) -> int:
+def huge_page_bytes(settings: LoaderSettings, model: Path) -> int:
     """What one pass may hold on huge pages: its shard buffers (the one being copied, the ones read ahead, and one
     whose last tensor vLLM still holds), its and the cache's staging buffers, and fio's deepest queue."""
     from kvprefetch.loader.shards import open_checkpoint

@@ -1,0 +1,39 @@
+"""`kvprefetch loadbench` around its passes: the table, the goals, results.json and --json (the passes faked)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+from tests.clitext import flat
+from tests.loader.conftest import write_checkpoint
+from typer.testing import CliRunner
+
+from kvprefetch.bench.micro import hugepages, loadbench
+from kvprefetch.cli import app
+
+
+def test_loadbench_prints_and_writes_the_same_rows(tmp_path, monkeypatch):
+    def passes(bench: loadbench.LoadBench) -> list[loadbench.Row]:
+        samples = {m: [] if m.loader == "fastsafetensors" else [2.0, 1.0, 3.0] for m in loadbench.MODES}
+        return bench._rows(samples, {loadbench.MODES[3]: "needs a CUDA device"}, total=4_000_000_000)
+
+    monkeypatch.setattr(loadbench.LoadBench, "run", passes)
+    monkeypatch.setattr(hugepages, "reserved_huge_pages", lambda nbytes: contextlib.nullcontext(False))
+    model = write_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "rows.json"
+    run = CliRunner().invoke(app, ["loadbench", "--model", str(model), "--dir", str(tmp_path), "--json", str(out)])
+    assert run.exit_code == 0, run.output
+    text = flat(run.output)
+    assert "kvprefetch loadbench: ckpt" in text and "median of 3" in text
+    assert "unavailable: needs a CUDA device" in text
+    assert "no huge pages could be reserved" in text
+    assert "goal kvprefetch cold local vs vLLM default: 1.00x (target >= 1.5x): NOT met" in text
+    (written,) = tmp_path.glob("loadbench-*/results.json")
+    assert written.read_text() == out.read_text()
+    assert (written.parent / "loadbench.png").exists()
+    payload = json.loads(out.read_text())
+    assert payload["repeats"] == 3 and payload["shards"] == 3
+    assert [(r["loader"], r["regime"]) for r in payload["rows"]] == [(m.loader, m.regime) for m in loadbench.MODES]
+    assert {r["seconds"] for r in payload["rows"]} == {2.0, None}
+    assert len(payload["goals"]) == 5
