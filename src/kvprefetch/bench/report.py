@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvprefetch.bench import plotting
 from kvprefetch.bench.agent_report import agent_lines, has_leases, lease_plot
 from kvprefetch.bench.modes import known_failure
 from kvprefetch.bench.rounds import UNSTEADY_RATIO, find_row, paired, unsteady
@@ -610,11 +611,6 @@ def markdown_table(rows: list[dict]) -> list[str]:
 
 
 def plots(results: dict, out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = own_regime(results.get("rows", []))
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     written = []
@@ -622,7 +618,7 @@ def plots(results: dict, out: Path) -> list[str]:
         ("ttft_p50_s", "ttft_p50.png", "TTFT p50 (s)", "Time to first token, median"),
         ("output_tok_s", "throughput.png", "output tokens/s", "Throughput"),
     ):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plotting.figure()
         for m in modes:
             pts = sorted((r["concurrency"], r[key]) for r in rows if r["mode"] == m and r.get(key) is not None)
             if pts:
@@ -632,15 +628,9 @@ def plots(results: dict, out: Path) -> list[str]:
         ax.set_title(f"{title} ({_regime_label(results)})")
         if key == "ttft_p50_s" and rows:
             ax.set_yscale("log")
-        ax.grid(True, alpha=0.3)
-        if modes:
-            ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=120)
-        plt.close(fig)
-        written.append(name)
+        written.append(plotting.save(fig, ax, out / name, legend=bool(modes)))
     # CDF at the highest concurrency every mode ran
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plotting.figure()
     levels = sorted({r["concurrency"] for r in rows})
     c = levels[-1] if levels else None
     for m in modes:
@@ -652,16 +642,10 @@ def plots(results: dict, out: Path) -> list[str]:
     ax.set_ylabel("share of requests")
     ax.set_xscale("log")
     ax.set_title(f"TTFT CDF at concurrency {c} ({_regime_label(results)})")
-    ax.grid(True, alpha=0.3)
-    if modes:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "ttft_cdf.png", dpi=120)
-    plt.close(fig)
-    written.append("ttft_cdf.png")
+    written.append(plotting.save(fig, ax, out / "ttft_cdf.png", legend=bool(modes)))
     points = [p for p in sweep_points(results) if p["r"] is not None]
     if len({p["regime"] for p in points}) > 1:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plotting.figure()
         for (base, c), pts in _series(points).items():
             ax.plot([p["r"] for p in pts], [p["ratio"] for p in pts], marker="o" if base == "ondemand-sync" else "s",
                     linestyle="-" if base == "ondemand-sync" else "--", label=f"/ {base}, c={c}")  # fmt: skip
@@ -670,12 +654,7 @@ def plots(results: dict, out: Path) -> list[str]:
         ax.set_xlabel("R (recompute time / load time per chunk), measured")
         ax.set_ylabel("prefetch TTFT p50 / baseline's")
         ax.set_title("Regime sweep: where prefetch pays")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "regime_sweep.png", dpi=120)
-        plt.close(fig)
-        written.append("regime_sweep.png")
+        written.append(plotting.save(fig, ax, out / "regime_sweep.png", fontsize=8))
     return written
 
 
