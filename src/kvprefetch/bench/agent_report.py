@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvprefetch.bench import plotting
 from kvprefetch.bench.rounds import find_row, paired
 
 PAIRS = (("warm", "dram"), ("warm", "prefetch"), ("lease", "prefetch"), ("lease", "dram"), ("prefetch", "dram"),
@@ -117,12 +118,7 @@ def lease_plot(results: dict, out: Path) -> list[str]:
     lr = [r for r in lease_rows(results.get("rows", [])) if r.get("lease_samples")]
     if not lr:
         return []
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plotting.figure()
     budget: Any = None
     for r in lr:
         if r["mode"] not in ("lease", "warm"):
@@ -135,9 +131,4 @@ def lease_plot(results: dict, out: Path) -> list[str]:
     ax.set_xlabel("seconds into the cell")
     ax.set_ylabel("DRAM slots pinned by leases")
     ax.set_title("DRAM held by leases (first round of each cell)")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "lease_dram.png", dpi=120)
-    plt.close(fig)
-    return ["lease_dram.png"]
+    return [plotting.save(fig, ax, out / "lease_dram.png", fontsize=8)]

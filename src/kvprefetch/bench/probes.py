@@ -11,6 +11,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -109,55 +110,23 @@ def calibrate(host: Host, prompt_tokens: int, repeats: int, decode_tokens: int, 
     The fastest sample is the estimate: on a shared machine other processes only ever slow a sample down, and
     the CPU time they took during the calibration is reported next to it (``foreign_cpu_cores``).
     """
-    driver = host.driver
     cpu0 = CpuMeter(host.cpu_s)
-    speeds, extends, reloads, not_fresh = [], [], [], 0
-    extend_tokens = 256
-    for k in range(repeats):
-        prompt = random_prompt(prompt_tokens, vocab, seed + 1000 + k)
-        rec = _first_token(driver, f"cal{k}", prompt)
-        if rec is not None and rec.get("cached_tokens"):  # found in a cache: a load, not a prefill
-            not_fresh += 1
-        elif rec is not None:
-            speeds.append(prompt_tokens / (rec["first_token"] - rec["arrival"]))
-        host.flush()
-        ttft = _ttft(driver, f"ext{k}", prompt + random_prompt(extend_tokens, vocab, seed + 2000 + k))
-        if ttft is not None:
-            extends.append(ttft)
-        host.flush()
-        if host.reset_prefix_cache():
-            rec = _first_token(driver, f"rel{k}", prompt)
-            if rec is not None and rec.get("cached_external"):
-                reloads.append((rec["first_token"] - rec["arrival"], int(rec["cached_external"])))
-    floors = []
-    for k in range(repeats):
-        ttft = _ttft(driver, f"floor{k}", random_prompt(16, vocab, seed + 4000 + k))
-        if ttft is not None:
-            floors.append(ttft)
-    steps = []
-    for k in range(2):
-        d = _one_turn(f"dec{k}", random_prompt(256, vocab, seed + 900 + k), decode_tokens)
-        itl = sorted(driver.run([d], 1, 600, f"dec{k}")["records"][0]["itl"])
-        if itl:
-            steps.append(itl[len(itl) // 2])
-    wide = 16
-    short = [_one_turn(f"decw{k}", random_prompt(256, vocab, seed + 950 + k), decode_tokens) for k in range(wide)]
-    wide_itl = _together_itl(driver.run(short, wide, 600, "decw")["records"])
-    batch = 4
-    long = [
-        _one_turn(f"decb{k}", random_prompt(prompt_tokens, vocab, seed + 3000 + k), decode_tokens) for k in range(batch)
-    ]
-    batch_itl = _together_itl(driver.run(long, batch, 600, "decb")["records"])
-    reload_s, reload_tokens = min(reloads) if reloads else (None, None)
+    extend_tokens, wide, batch = 256, 16, 4
+    pre = _prefill_samples(host, prompt_tokens, extend_tokens, repeats, vocab, seed)
+    floors = _request_floors(host.driver, repeats, vocab, seed)
+    steps = _decode_steps(host.driver, decode_tokens, vocab, seed)
+    wide_itl = _batch_step_s(host.driver, "decw", wide, 256, decode_tokens, vocab, seed + 950)
+    batch_itl = _batch_step_s(host.driver, "decb", batch, prompt_tokens, decode_tokens, vocab, seed + 3000)
+    reload_s, reload_tokens = min(pre.reloads) if pre.reloads else (None, None)
     return {
-        "prefill_tokens_per_s": max(speeds) if speeds else None,
-        "prefill_samples": speeds,
-        "prefill_not_fresh": not_fresh,  # samples dropped: the prompt was already cached (see `seed`)
+        "prefill_tokens_per_s": max(pre.speeds) if pre.speeds else None,
+        "prefill_samples": pre.speeds,
+        "prefill_not_fresh": pre.not_fresh,  # samples dropped: the prompt was already cached (see `seed`)
         "prompt_tokens": prompt_tokens,
         "extend_tokens": extend_tokens,
         "extend_offset": prompt_tokens,
-        "extend_s": min(extends) if extends else None,
-        "extend_samples": extends,
+        "extend_s": min(pre.extends) if pre.extends else None,
+        "extend_samples": pre.extends,
         "request_floor_s": min(floors) if floors else None,
         "request_floor_samples": floors,
         "decode_step_s": min(steps) if steps else None,
@@ -170,9 +139,71 @@ def calibrate(host: Host, prompt_tokens: int, repeats: int, decode_tokens: int, 
         "decode_wide_step_s": wide_itl,
         "reload_s": reload_s,
         "reload_tokens": reload_tokens,
-        "reload_samples": [t for t, _ in reloads],
+        "reload_samples": [t for t, _ in pre.reloads],
         "foreign_cpu_cores": cpu0.foreign_cores(),
     }
+
+
+@dataclass
+class _PrefillSamples:
+    """`calibrate`'s samples of a fresh prompt: its prefill, its extension, and its reload from the DRAM tier."""
+
+    speeds: list[float] = field(default_factory=list)  # prompt tokens / TTFT, of the prompts no cache held
+    extends: list[float] = field(default_factory=list)  # TTFT of the prompt and 256 new tokens
+    reloads: list[tuple[float, int]] = field(default_factory=list)  # (TTFT, tokens the connector loaded)
+    not_fresh: int = 0  # prompts found in a cache: a load, not a prefill
+
+
+def _prefill_samples(
+    host: Host, prompt_tokens: int, extend_tokens: int, repeats: int, vocab: int, seed: int
+) -> _PrefillSamples:
+    """Per repeat, a fresh prompt's prefill, then that prompt extended, then (the engine's prefix cache reset, if
+    it can be) that prompt once more from the DRAM tier; the store flushed after each."""
+    driver, out = host.driver, _PrefillSamples()
+    for k in range(repeats):
+        prompt = random_prompt(prompt_tokens, vocab, seed + 1000 + k)
+        rec = _first_token(driver, f"cal{k}", prompt)
+        if rec is not None and rec.get("cached_tokens"):  # found in a cache: a load, not a prefill
+            out.not_fresh += 1
+        elif rec is not None:
+            out.speeds.append(prompt_tokens / (rec["first_token"] - rec["arrival"]))
+        host.flush()
+        ttft = _ttft(driver, f"ext{k}", prompt + random_prompt(extend_tokens, vocab, seed + 2000 + k))
+        if ttft is not None:
+            out.extends.append(ttft)
+        host.flush()
+        if host.reset_prefix_cache():
+            rec = _first_token(driver, f"rel{k}", prompt)
+            if rec is not None and rec.get("cached_external"):
+                out.reloads.append((rec["first_token"] - rec["arrival"], int(rec["cached_external"])))
+    return out
+
+
+def _request_floors(driver: Any, repeats: int, vocab: int, seed: int) -> list[float]:
+    """Time to first token of a 16-token prompt, per repeat (the failed ones left out)."""
+    floors = []
+    for k in range(repeats):
+        ttft = _ttft(driver, f"floor{k}", random_prompt(16, vocab, seed + 4000 + k))
+        if ttft is not None:
+            floors.append(ttft)
+    return floors
+
+
+def _decode_steps(driver: Any, decode_tokens: int, vocab: int, seed: int) -> list[float]:
+    """Median gap between tokens of a 256-token sequence decoding alone, twice."""
+    steps = []
+    for k in range(2):
+        d = _one_turn(f"dec{k}", random_prompt(256, vocab, seed + 900 + k), decode_tokens)
+        itl = sorted(driver.run([d], 1, 600, f"dec{k}")["records"][0]["itl"])
+        if itl:
+            steps.append(itl[len(itl) // 2])
+    return steps
+
+
+def _batch_step_s(driver: Any, tag: str, n: int, ctx: int, decode_tokens: int, vocab: int, seed: int) -> float | None:
+    """Median step of `n` sequences of `ctx` tokens decoding together (`_together_itl`)."""
+    sessions = [_one_turn(f"{tag}{k}", random_prompt(ctx, vocab, seed + k), decode_tokens) for k in range(n)]
+    return _together_itl(driver.run(sessions, n, 600, tag)["records"])
 
 
 def _one_turn(sid: str, tokens: list[int], max_tokens: int) -> dict:

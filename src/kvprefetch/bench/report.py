@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvprefetch.bench import plotting
 from kvprefetch.bench.agent_report import agent_lines, has_leases, lease_plot
 from kvprefetch.bench.modes import known_failure
 from kvprefetch.bench.rounds import UNSTEADY_RATIO, find_row, paired, unsteady
@@ -266,37 +267,70 @@ def _pct_range(r: tuple[float, float] | None) -> str:
     return "-" if r is None or r[0] == r[1] else f"{_pct(r[0])}..{_pct(r[1])}"
 
 
+PLOT_LINES = ["## Plots", "", "![TTFT p50](ttft_p50.png)", "![throughput](throughput.png)", "![TTFT CDF](ttft_cdf.png)",
+              ""]  # fmt: skip
+
+
 def markdown_report(results: dict) -> str:
+    """report.md: its sections in order, each built from the results on its own."""
     rows = results.get("rows", [])
-    reg = results.get("regime", {})
-    w = results.get("workload", {})
-    cfg = results.get("config", {})
+    agent = results.get("workload", {}).get("kind") == "agent" or has_leases(rows)
+    sections = [
+        _header_lines(results),
+        _setup_lines(results),
+        _regime_lines(results.get("regime", {}), results.get("config", {})),
+        _results_lines(rows),
+        unsteady_lines(rows),
+        _rank_lines(rows),
+        _against_baselines_lines(results, comparisons(rows)),
+        agent_lines(results) if agent else [],
+        _simulator_lines(results),
+        _missing_lines(rows),
+        _notes_lines(results.get("notes")),
+        PLOT_LINES,
+    ]
+    return "\n".join(line for section in sections for line in section)
+
+
+def _header_lines(results: dict) -> list[str]:
+    """The title, when and where the run ran, with which versions and which model."""
     m = results.get("machine", {})
-    lines = ["# kvprefetch bench", ""]
-    lines.append(
+    model = results.get("model", {})
+    return [
+        "# kvprefetch bench",
+        "",
         f"Started {results.get('started')}, took {results.get('duration_s', 0):.0f} s. "
         f"Machine: {m.get('cpu', '?')} x{m.get('cpus')}, {m.get('gpu', 'no GPU')}; "
-        f"load average at start {_load(m.get('loadavg_start'))}, at end {_load(m.get('loadavg_end'))}."
-    )
-    lines.append(f"Versions: {', '.join(f'{k} {v}' for k, v in results.get('versions', {}).items())}.")
-    model = results.get("model", {})
-    lines.append(f"Model: `{model.get('path')}` ({model.get('load_format') or 'weights'}, {model.get('dtype')}, "
-                 f"{model.get('bytes_per_token')} KV bytes/token) on {model.get('device')}.")  # fmt: skip
-    lines += ["", "## Setup", ""]
-    lines.append(f"- Workload: **{w.get('name')}**; declared: `{_declared(w)}`.")
-    lines.append(f"- Prelude (populates the disk tier before any mode runs): {w.get('prelude_tokens')} tokens. "
-                 f"Measured prompts: {w.get('measured_prompt_tokens')} tokens, of which "
-                 f"{100 * w.get('reusable_share', 0):.0f}% are whole chunks some earlier request holds.")  # fmt: skip
+        f"load average at start {_load(m.get('loadavg_start'))}, at end {_load(m.get('loadavg_end'))}.",
+        f"Versions: {', '.join(f'{k} {v}' for k, v in results.get('versions', {}).items())}.",
+        f"Model: `{model.get('path')}` ({model.get('load_format') or 'weights'}, {model.get('dtype')}, "
+        f"{model.get('bytes_per_token')} KV bytes/token) on {model.get('device')}.",
+    ]
+
+
+def _setup_lines(results: dict) -> list[str]:
+    """The workload, its prelude and reuse, and the engine's KV cache against the largest level's prompts."""
+    w = results.get("workload", {})
+    cfg = results.get("config", {})
     kv, ws = cfg.get("engine_kv_cache_tokens") or 0, w.get("largest_level_prompt_tokens") or 0
     fits = "too small to hold it, as intended" if kv < ws else "**WARNING: it holds the whole level; raise the load**"
-    lines.append(f"- Engine KV cache: {kv} tokens vs {ws} prompt tokens at the largest level ({fits}); "
-                 f"max_num_seqs {cfg.get('max_num_seqs')}, max_num_batched_tokens "
-                 f"{cfg.get('max_num_batched_tokens')}, chunk {cfg.get('chunk_tokens')} tokens, DRAM tier "
-                 f"{cfg.get('dram_tier_bytes', 0) / 2**20:.0f} MiB (dram mode: everything).")  # fmt: skip
-    lines += trace_reuse_lines(results)
-    lines += ["", "## Storage regime", ""]
+    return ["", "## Setup", "",
+            f"- Workload: **{w.get('name')}**; declared: `{_declared(w)}`.",
+            f"- Prelude (populates the disk tier before any mode runs): {w.get('prelude_tokens')} tokens. "
+            f"Measured prompts: {w.get('measured_prompt_tokens')} tokens, of which "
+            f"{100 * w.get('reusable_share', 0):.0f}% are whole chunks some earlier request holds.",
+            f"- Engine KV cache: {kv} tokens vs {ws} prompt tokens at the largest level ({fits}); "
+            f"max_num_seqs {cfg.get('max_num_seqs')}, max_num_batched_tokens "
+            f"{cfg.get('max_num_batched_tokens')}, chunk {cfg.get('chunk_tokens')} tokens, DRAM tier "
+            f"{cfg.get('dram_tier_bytes', 0) / 2**20:.0f} MiB (dram mode: everything).",
+            *trace_reuse_lines(results)]  # fmt: skip
+
+
+def _regime_lines(reg: dict, cfg: dict) -> list[str]:
+    """The storage regime asked and measured, how it was enforced, and where the engines ran."""
     asked = reg.get("asked")
-    lines.append(f"- Asked: {asked if asked == 'native' else f'R = {asked}'}; enforced by: {reg.get('enforced_by')}.")
+    lines = ["", "## Storage regime", "", f"- Asked: {asked if asked == 'native' else f'R = {asked}'}; "
+             f"enforced by: {reg.get('enforced_by')}."]  # fmt: skip
     if reg.get("whitepaper_r2"):
         lines.append(f"- The default (R = 18.2) is {reg['whitepaper_r2']}.")
     if reg.get("prefill_tokens_per_s"):
@@ -322,79 +356,106 @@ def markdown_report(results: dict) -> str:
     topo = cfg.get("topology") or {}
     if topo.get("sentence"):
         lines.append(f"- Where the engines run: {topo['sentence']}.")
-    lines += ["", "## Results", ""]
+    return lines
+
+
+def _results_lines(rows: list[dict]) -> list[str]:
+    """The cells' table (one per regime of a sweep, the run's own first) and what its columns mean."""
+    lines = ["", "## Results", ""]
     regimes = regimes_of(rows)
     for g in regimes:
         if len(regimes) > 1:
             lines += ["", f"### regime {g}" + (" (the run's own)" if g == regimes[0] else ""), ""]
         lines += markdown_table([r for r in rows if r.get("regime") == g])
-    lines += ["", "Shares are of prompt tokens: engine = vLLM's own prefix cache, dram/disk = loaded by the "
-              "connector (disk: chunks read from disk during the cell), the rest is computed. `pf ok` / `late`: "
-              "requests whose prefetch had / had not finished when the scheduler reached them; `wasted`: prefetch "
-              "reads cancelled because their request ended first. `conn CPU s`: CPU seconds the connector's own "
-              "threads took (loads, saves, disk I/O; on the host cores with the gpu-node topology, else time the model "
-              "did not get). `other CPU`: "
-              "cores other processes kept busy during the cell (this machine is shared; timings with a large value "
-              "are disturbed).", ""]  # fmt: skip
-    lines += unsteady_lines(rows)
-    lines += _rank_lines(rows)
-    comp = comparisons(rows)
-    if comp:
-        lines += ["## prefetch against the baselines, next to the whitepaper", ""]
-        lines.append("Paired: prefetch / baseline within each round, then the median of the rounds' ratios and their "
-                     "range; a range that contains 0% is a tie.")  # fmt: skip
-        lines += ["", "| conc | baseline | TTFT p50 | range | verdict | throughput | range | TTFT speed-up | "
-                  "whitepaper |", "|---:|---|---:|---:|---|---:|---:|---:|---|"]  # fmt: skip
-        several = len({x.get("regime") for x in comp}) > 1
-        for x in comp:
-            if several and x.get("regime") != comp[0].get("regime"):
-                continue  # a sweep's other regimes: in the sweep section
-            paper = ""
-            if x["baseline"] in ("ondemand-serial", "ondemand-sync", "ondemand"):
-                paper = f"{WHITEPAPER['ttft_vs_no_prefetch']}; {WHITEPAPER['throughput_vs_no_prefetch']}"
-            elif x["baseline"] == "recompute":
-                paper = WHITEPAPER["vs_recompute"]
-            speed = "-" if x["ttft_speedup"] is None else f"{x['ttft_speedup']:.2f}x"
-            lines.append(f"| {x['concurrency']} | {x['baseline']} | {_pct(x['ttft_p50_change'])} | "
-                         f"{_pct_range(x['ttft_p50_change_range'])} | {x['ttft_verdict']} | "
-                         f"{_pct(x['throughput_change'])} | {_pct_range(x['throughput_change_range'])} | {speed} | "
-                         f"{paper} |")  # fmt: skip
-        lines.append("")
-        lines += _share_lines(results, comp)
-        points = sweep_points(results)
-        if len({x["regime"] for x in points}) > 1:
-            lines += _sweep_lines(points)
-        g = goals(comp) if w.get("kind") != "agent" else []  # issue 19's, of the context workload; the agent's below
-        if g:
-            lines += ["## Goals (issue 19), on this run's paired medians", "", "| goal | measured | met |",
-                      "|---|---|---|"] + [f"| {x['goal']} | {x['measured']} | {'yes' if x['met'] else '**no**'} |"
-                                          for x in g] + [""]  # fmt: skip
-    if w.get("kind") == "agent" or has_leases(rows):
-        lines += agent_lines(results)
+    return [*lines, "", "Shares are of prompt tokens: engine = vLLM's own prefix cache, dram/disk = loaded by the "
+            "connector (disk: chunks read from disk during the cell), the rest is computed. `pf ok` / `late`: "
+            "requests whose prefetch had / had not finished when the scheduler reached them; `wasted`: prefetch "
+            "reads cancelled because their request ended first. `conn CPU s`: CPU seconds the connector's own "
+            "threads took (loads, saves, disk I/O; on the host cores with the gpu-node topology, else time the model "
+            "did not get). `other CPU`: "
+            "cores other processes kept busy during the cell (this machine is shared; timings with a large value "
+            "are disturbed).", ""]  # fmt: skip
+
+
+def _against_baselines_lines(results: dict, comp: list[dict]) -> list[str]:
+    """Prefetch against the baselines, storage's share of on-demand TTFT, a sweep's regimes and issue 19's goals
+    (those of the context workload: the agent workload's own are in its section); nothing if nothing compares."""
+    if not comp:
+        return []
+    points = sweep_points(results)
+    sweep = _sweep_lines(points) if len({x["regime"] for x in points}) > 1 else []
+    own_goals = _goal_lines(goals(comp)) if results.get("workload", {}).get("kind") != "agent" else []
+    return [*_baseline_lines(comp), *_share_lines(results, comp), *sweep, *own_goals]
+
+
+def _baseline_lines(comp: list[dict]) -> list[str]:
+    """Prefetch / each baseline in the run's own regime, paired by round, beside the whitepaper's figures."""
+    lines = ["## prefetch against the baselines, next to the whitepaper", "",
+             "Paired: prefetch / baseline within each round, then the median of the rounds' ratios and their "
+             "range; a range that contains 0% is a tie.",
+             "", "| conc | baseline | TTFT p50 | range | verdict | throughput | range | TTFT speed-up | whitepaper |",
+             "|---:|---|---:|---:|---|---:|---:|---:|---|"]  # fmt: skip
+    several = len({x.get("regime") for x in comp}) > 1
+    for x in comp:
+        if several and x.get("regime") != comp[0].get("regime"):
+            continue  # a sweep's other regimes: in the sweep section
+        speed = "-" if x["ttft_speedup"] is None else f"{x['ttft_speedup']:.2f}x"
+        lines.append(f"| {x['concurrency']} | {x['baseline']} | {_pct(x['ttft_p50_change'])} | "
+                     f"{_pct_range(x['ttft_p50_change_range'])} | {x['ttft_verdict']} | "
+                     f"{_pct(x['throughput_change'])} | {_pct_range(x['throughput_change_range'])} | {speed} | "
+                     f"{_whitepaper(x['baseline'])} |")  # fmt: skip
+    return [*lines, ""]
+
+
+def _whitepaper(baseline: str) -> str:
+    """The whitepaper's figures against a baseline ("" where it has none)."""
+    if baseline in ("ondemand-serial", "ondemand-sync", "ondemand"):
+        return f"{WHITEPAPER['ttft_vs_no_prefetch']}; {WHITEPAPER['throughput_vs_no_prefetch']}"
+    return WHITEPAPER["vs_recompute"] if baseline == "recompute" else ""
+
+
+def _goal_lines(g: list[dict]) -> list[str]:
+    """Issue 19's goals, met or not (nothing where none was measured)."""
+    if not g:
+        return []
+    return ["## Goals (issue 19), on this run's paired medians", "", "| goal | measured | met |", "|---|---|---|",
+            *(f"| {x['goal']} | {x['measured']} | {'yes' if x['met'] else '**no**'} |" for x in g), ""]  # fmt: skip
+
+
+def _simulator_lines(results: dict) -> list[str]:
+    """The simulator's TTFT p50 and token counts, calibrated from this run, beside the measured ones."""
     preds = results.get("simulator_prediction")
-    if preds:
-        lines += ["## Simulator (calibrated from this run) vs measured TTFT p50", ""]
-        lines += _calibration_lines(results)
-        lines.append("| mode | conc | predicted s | measured s | computed tokens, replay / vLLM "
-                     "| tokens from vLLM's prefix cache, replay / vLLM |")  # fmt: skip
-        lines.append("|---|---:|---:|---:|---:|---:|")
-        for p in preds:
-            meas = "-" if p.get("measured") is None else f"{p['measured']:.3f}"
-            tokens = " | ".join(_replay_vs_vllm(p, key) for key in ("computed_tokens", "engine_cached_tokens"))
-            lines.append(f"| {p['mode']} | {p['concurrency']} | {p['predicted']:.3f} | {meas} | {tokens} |")
-        lines.append("")
+    if not preds:
+        return []
+    lines = ["## Simulator (calibrated from this run) vs measured TTFT p50", "", *_calibration_lines(results),
+             "| mode | conc | predicted s | measured s | computed tokens, replay / vLLM "
+             "| tokens from vLLM's prefix cache, replay / vLLM |",
+             "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for p in preds:
+        meas = "-" if p.get("measured") is None else f"{p['measured']:.3f}"
+        tokens = " | ".join(_replay_vs_vllm(p, key) for key in ("computed_tokens", "engine_cached_tokens"))
+        lines.append(f"| {p['mode']} | {p['concurrency']} | {p['predicted']:.3f} | {meas} | {tokens} |")
+    return [*lines, ""]
+
+
+def _missing_lines(rows: list[dict]) -> list[str]:
+    """Each mode with a cell that did not run or failed, and why (its last such cell's reason, and the known
+    failure it matches)."""
     missing = {}
     for r in rows:
         if r.get("status") != "ok":
             why = known_failure(r["mode"], r.get("reason"))
             missing[r["mode"]] = f"{r.get('status')}: {r.get('reason')}" + (f" (known: {why})" if why else "")
-    if missing:
-        lines += ["## Modes not run (or failed)", ""] + [f"- `{k}`: {v}" for k, v in missing.items()] + [""]
-    if results.get("notes"):
-        lines += ["## Notes", ""] + [f"- {n.splitlines()[0] if n else n}" for n in results["notes"]] + [""]
-    lines += ["## Plots", "", "![TTFT p50](ttft_p50.png)", "![throughput](throughput.png)",
-              "![TTFT CDF](ttft_cdf.png)", ""]  # fmt: skip
-    return "\n".join(lines)
+    if not missing:
+        return []
+    return ["## Modes not run (or failed)", "", *(f"- `{k}`: {v}" for k, v in missing.items()), ""]
+
+
+def _notes_lines(notes: list[str] | None) -> list[str]:
+    """The run's notes, the first line of each."""
+    if not notes:
+        return []
+    return ["## Notes", "", *(f"- {n.splitlines()[0] if n else n}" for n in notes), ""]
 
 
 def _sweep_lines(points: list[dict]) -> list[str]:
@@ -550,11 +611,6 @@ def markdown_table(rows: list[dict]) -> list[str]:
 
 
 def plots(results: dict, out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = own_regime(results.get("rows", []))
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     written = []
@@ -562,7 +618,7 @@ def plots(results: dict, out: Path) -> list[str]:
         ("ttft_p50_s", "ttft_p50.png", "TTFT p50 (s)", "Time to first token, median"),
         ("output_tok_s", "throughput.png", "output tokens/s", "Throughput"),
     ):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plotting.figure()
         for m in modes:
             pts = sorted((r["concurrency"], r[key]) for r in rows if r["mode"] == m and r.get(key) is not None)
             if pts:
@@ -572,15 +628,9 @@ def plots(results: dict, out: Path) -> list[str]:
         ax.set_title(f"{title} ({_regime_label(results)})")
         if key == "ttft_p50_s" and rows:
             ax.set_yscale("log")
-        ax.grid(True, alpha=0.3)
-        if modes:
-            ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=120)
-        plt.close(fig)
-        written.append(name)
+        written.append(plotting.save(fig, ax, out / name, legend=bool(modes)))
     # CDF at the highest concurrency every mode ran
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plotting.figure()
     levels = sorted({r["concurrency"] for r in rows})
     c = levels[-1] if levels else None
     for m in modes:
@@ -592,16 +642,10 @@ def plots(results: dict, out: Path) -> list[str]:
     ax.set_ylabel("share of requests")
     ax.set_xscale("log")
     ax.set_title(f"TTFT CDF at concurrency {c} ({_regime_label(results)})")
-    ax.grid(True, alpha=0.3)
-    if modes:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "ttft_cdf.png", dpi=120)
-    plt.close(fig)
-    written.append("ttft_cdf.png")
+    written.append(plotting.save(fig, ax, out / "ttft_cdf.png", legend=bool(modes)))
     points = [p for p in sweep_points(results) if p["r"] is not None]
     if len({p["regime"] for p in points}) > 1:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plotting.figure()
         for (base, c), pts in _series(points).items():
             ax.plot([p["r"] for p in pts], [p["ratio"] for p in pts], marker="o" if base == "ondemand-sync" else "s",
                     linestyle="-" if base == "ondemand-sync" else "--", label=f"/ {base}, c={c}")  # fmt: skip
@@ -610,12 +654,7 @@ def plots(results: dict, out: Path) -> list[str]:
         ax.set_xlabel("R (recompute time / load time per chunk), measured")
         ax.set_ylabel("prefetch TTFT p50 / baseline's")
         ax.set_title("Regime sweep: where prefetch pays")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "regime_sweep.png", dpi=120)
-        plt.close(fig)
-        written.append("regime_sweep.png")
+        written.append(plotting.save(fig, ax, out / "regime_sweep.png", fontsize=8))
     return written
 
 
