@@ -19,7 +19,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 SCHEMA_KEY = "kvprefetch_bench"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""1: the first. 2: `regime.whitepaper_storage_share` left out (the report computes it from the run's levels; a
+version-1 file's is still read)."""
 
 
 class _Part(BaseModel):

@@ -201,14 +201,8 @@ def measure_regime(plan: BenchPlan, eng: EngineProcess, throttle, why: str, cal:
 
 def _asked(plan: BenchPlan) -> dict[str, Any]:
     """The regime's part that the options decide (results.json's regime starts with it)."""
-    from kvprefetch.bench.regime import whitepaper_storage_share
-
     o = plan.opts
-    return {
-        "asked": o.regime if o.regime is not None else "native",
-        "whitepaper_r2": whitepaper_r2().sentence(),
-        "whitepaper_storage_share": {str(c): v for c, v in whitepaper_storage_share(o.concurrency).items()},
-    }
+    return {"asked": o.regime if o.regime is not None else "native", "whitepaper_r2": whitepaper_r2().sentence()}
 
 
 def probe_sweep(plan: BenchPlan, eng: EngineProcess, throttle, tps: float, chunk_bytes: int, regime: dict,

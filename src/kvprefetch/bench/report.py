@@ -202,11 +202,22 @@ def storage_shares(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _whitepaper_shares(results: dict, levels: list[int]) -> dict[int, float]:
+    """R2's storage share at each level by the simulator's fit (`regime.whitepaper_storage_share`), as a
+    version-1 results file recorded it, else computed now (a fraction of a second per level)."""
+    recorded = results.get("regime", {}).get("whitepaper_storage_share")
+    if recorded:
+        return {int(k): v for k, v in recorded.items()}
+    from kvprefetch.bench.regime import whitepaper_storage_share
+
+    return whitepaper_storage_share(levels)
+
+
 def _share_lines(results: dict, comp: list[dict]) -> list[str]:
     shares = storage_shares(results.get("rows", []))
     if not shares:
         return []
-    r2 = {int(k): v for k, v in (results.get("regime", {}).get("whitepaper_storage_share") or {}).items()}
+    r2 = _whitepaper_shares(results, [x["concurrency"] for x in shares])
     cut = {x["concurrency"]: x["ttft_p50_change"] for x in comp
            if x["baseline"] == "ondemand-sync" and x.get("regime") == comp[0].get("regime")}  # fmt: skip
     lines = ["## How much of on-demand TTFT is storage", "",
