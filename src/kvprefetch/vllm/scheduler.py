@@ -194,13 +194,13 @@ class SchedulerSide:
     ):
         """``keyer``: any rank's keyer (every rank's is derived from it); ``chunk_bytes``: one rank's part of a
         chunk (what one key holds)."""
-        self.s = settings
+        self.settings = settings
         self.keyers = keyer.rank_keyers()
         self.tp_size = len(self.keyers)
         self.store = store
         self.block_size = block_size
-        self.bpc = blocks_per_chunk
-        self.C = keyer.chunk_tokens
+        self.blocks_per_chunk = blocks_per_chunk
+        self.chunk_tokens = keyer.chunk_tokens
         self.chunk_bytes = chunk_bytes
         self.counters = counters
         self.rank_counters = RankCounters(self.tp_size)
@@ -209,7 +209,7 @@ class SchedulerSide:
         # The rule weighs a whole chunk: every rank's part comes up through the same disk.
         self.cost = CostModel(
             chunk_bytes * self.tp_size,
-            self.C,
+            self.chunk_tokens,
             disk_bps=settings.disk_bps_prior or float(settings.store.io.read_rate_limit_bps or 1e9),
             prefill_tps=settings.prefill_tps_prior,
             margin=settings.load_margin,
@@ -240,14 +240,14 @@ class SchedulerSide:
         self._save_keys: dict[int, list[bytes]] = {}  # save job id -> its keys (every rank's)
         self._landed = threading.Condition()  # notified as each read of `_start_reads` lands (`_wait_parked`)
         self._landings = 0
-        self.tl = timeline()
+        self.timeline = timeline()
 
     # ---- keys and lookup ------------------------------------------------------------------------------------
     def _keys(self, st: _Req, num_tokens: int) -> int:
         """Key the request's whole chunks in num_tokens (for every rank); return how many there are."""
-        n = num_tokens // self.C
+        n = num_tokens // self.chunk_tokens
         if not st.keys or len(st.keys[0]) < n:
-            tokens = list(st.request.all_token_ids[: n * self.C])
+            tokens = list(st.request.all_token_ids[: n * self.chunk_tokens])
             st.keys = [k.keys(tokens) for k in self.keyers]
         return n
 
@@ -271,13 +271,13 @@ class SchedulerSide:
     def on_new_request(self, request: Any) -> None:
         st = self._state(request)
         self.leases.expire()
-        if not self.s.prefetch or self.s.load_policy == "never":
+        if not self.settings.prefetch or self.settings.load_policy == "never":
             return
         n = self._keys(st, len(request.prompt_token_ids or ()))
         if not n:
             return
         hit = self._lookup(st, n)
-        self.tl.event("arrived", st.req_id, hit=hit.num_chunks, below=hit.below_dram(0, hit.num_chunks))
+        self.timeline.event("arrived", st.req_id, hit=hit.num_chunks, below=hit.below_dram(0, hit.num_chunks))
         # What is in DRAM already is held there too, or the requests ahead of it may evict it before it is served.
         m = hit.num_chunks
         self.holds.hold(st, [st.keys[r][i] for r in range(self.tp_size) for i in range(m) if hit.tiers[r][i] == _DRAM])
@@ -293,11 +293,11 @@ class SchedulerSide:
         handle = st.prefetch = self.store.prefetch(keys)
         self.counters.inc("prefetched_chunks", handle.num_reads)
         self.disk_meter.started(handle.num_reads)
-        self.tl.event("reads", st.req_id, n=handle.num_reads, queued=self.disk_meter.outstanding)
+        self.timeline.event("reads", st.req_id, n=handle.num_reads, queued=self.disk_meter.outstanding)
 
         def landed(key: bytes, ok: bool) -> None:  # (I/O thread)
             self.disk_meter.completed(ok, self.chunk_bytes)
-            self.tl.event("landed", st.req_id, ok=ok, left=handle.pending())
+            self.timeline.event("landed", st.req_id, ok=ok, left=handle.pending())
             if ok:
                 self.holds.hold(st, [key])
             with self._landed:
@@ -329,7 +329,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
         st.plan = None
-        if self.s.load_policy == "never":
+        if self.settings.load_policy == "never":
             return 0, False
         # At least one token must be computed to produce logits: never hit the whole sequence.
         n = self._keys(st, max(st.request.num_tokens - 1, 0))
@@ -337,8 +337,8 @@ class SchedulerSide:
         if hit is not None and self._joins_save(st, hit, n):
             return None, False  # vLLM asks again next step
         plan = self._reach(st, hit, num_computed_tokens)
-        if self.tl:
-            self.tl.event("reached", st.req_id, phase=str(st.phase), computed=num_computed_tokens,
+        if self.timeline:
+            self.timeline.event("reached", st.req_id, phase=str(st.phase), computed=num_computed_tokens,
                           plan=None if plan is None else [plan.first, plan.load, plan.is_async, plan.below_dram],
                           skipped=st.skipped_slower, disk_bps=self.cost.disk_bps.value,
                           tps=self.cost.prefill_tps.value, outstanding=self.disk_meter.outstanding)  # fmt: skip
@@ -347,7 +347,7 @@ class SchedulerSide:
             return 0, False
         st.plan = plan
         self.holds.set_phase(st, Phase.PLANNED)
-        return plan.load * self.C - num_computed_tokens, plan.is_async
+        return plan.load * self.chunk_tokens - num_computed_tokens, plan.is_async
 
     def _joins_save(self, st: _Req, hit: _Hit, n: int) -> bool:
         """Turn N+1 never misses turn N's save: when the chunk right after the request's hit is still being
@@ -368,23 +368,23 @@ class SchedulerSide:
 
     def _join_wait_s(self, chunks: int) -> float:
         tps = self.cost.prefill_tps.value
-        recompute_s = chunks * self.C / tps if tps else JOIN_WAIT_PRIOR_S
-        return min(recompute_s, self.s.store.io.join_timeout_s)
+        recompute_s = chunks * self.chunk_tokens / tps if tps else JOIN_WAIT_PRIOR_S
+        return min(recompute_s, self.settings.store.io.join_timeout_s)
 
     def _reach(self, st: _Req, hit: _Hit | None, num_computed_tokens: int) -> _Plan | None:
         """The scheduler reached the request: what to load (None: nothing, it recomputes)."""
         if hit is None:
             return None
-        first = num_computed_tokens // self.C  # chunks fully on the engine already
+        first = num_computed_tokens // self.chunk_tokens  # chunks fully on the engine already
         if st.phase in (Phase.ARRIVED, Phase.PREFETCHING):  # reached for the first time
             self._count_reach(st, hit)
-        if hit.num_chunks * self.C <= num_computed_tokens:
+        if hit.num_chunks * self.chunk_tokens <= num_computed_tokens:
             return None
         if hit.below_dram(first, hit.num_chunks):
             k, is_async = self.serve_late(st, hit, first)
         else:
             k, is_async = self._chunks_to_load(st, hit, first, async_s=None), False
-        if k * self.C <= num_computed_tokens:
+        if k * self.chunk_tokens <= num_computed_tokens:
             return None
         return _Plan(first, k, is_async, hit.below_dram(first, k), tuple(hit.tier(i) for i in range(k)))
 
@@ -401,7 +401,7 @@ class SchedulerSide:
         ``load_mode`` decides: ``async`` parks, ``sync`` finishes in the step, and ``auto`` asks the cost model
         which costs the batch less (`CostModel.finish_in_step`, the queue ahead of its reads included).
         """
-        mode: LoadMode = self.s.load_mode
+        mode: LoadMode = self.settings.load_mode
         step_s = self.cost.expected_step_s(self._last_step_tokens)
         k = self._chunks_to_load(st, hit, first, async_s=None if mode == "sync" else step_s)
         below = hit.below_dram(first, k)
@@ -418,7 +418,7 @@ class SchedulerSide:
     def _chunks_to_load(self, st: _Req, hit: _Hit, first: int, async_s: float | None) -> int:
         """The load-or-recompute rule (`CostModel.plan`): the leading chunks worth loading."""
         n_hit = hit.num_chunks
-        if self.s.load_policy == "always":
+        if self.settings.load_policy == "always":
             return n_hit
         plan = self.cost.plan(hit.on_disk(), first, self._queued_disk_bytes(st), async_s)
         # (vLLM asks again each step while the request waits for blocks: count each chunk once)
@@ -445,7 +445,7 @@ class SchedulerSide:
         in a bench regime sweep once the first, slowest regime had set the estimate). At most one probe per
         `disk_probe_interval_s`; the request itself does not wait for it.
         """
-        interval = self.s.disk_probe_interval_s
+        interval = self.settings.disk_probe_interval_s
         now = self.clock()
         if interval <= 0 or now < self._next_probe or not self.cost.disk_rate_older_than(interval):
             return
@@ -481,19 +481,19 @@ class SchedulerSide:
             self.holds.set_phase(st, Phase.RECOMPUTED)
             return
         k = plan.load
-        start_tok = k * self.C - num_external_tokens  # the engine's own (block-aligned) prefix hit ends here
-        first = start_tok // self.C
+        start_tok = k * self.chunk_tokens - num_external_tokens  # the engine's own (block-aligned) prefix hit ends here
+        first = start_tok // self.chunk_tokens
         st.hit_tokens = {}
         for c in range(first, k):  # the first chunk may be partly in the engine's own prefix cache already
-            n = (c + 1) * self.C - max(c * self.C, start_tok)
+            n = (c + 1) * self.chunk_tokens - max(c * self.chunk_tokens, start_tok)
             st.hit_tokens[plan.tiers[c]] = st.hit_tokens.get(plan.tiers[c], 0) + n
         for tier, n in st.hit_tokens.items():
             self.counters.inc(hit_counter(tier), n)
         per_chunk: list[list[int]] = []
         for c in range(first, k):
             ids = []
-            for j in range(self.bpc):
-                b = c * self.bpc + j
+            for j in range(self.blocks_per_chunk):
+                b = c * self.blocks_per_chunk + j
                 ids.append(int(block_ids[b]) if b * self.block_size >= start_tok else -1)
             per_chunk.append(ids)
         job = LoadJob(request.request_id, st.chunk_keys(first, k), per_chunk, plan.is_async,
@@ -509,7 +509,7 @@ class SchedulerSide:
                     self.rank_counters.inc(r, "prefetched_chunks", plan.below_dram)
                 self._start_reads(st, st.flat_keys(first, k))
         # (sync mode: the worker reads what is still below DRAM inside the step, joining reads in flight)
-        self.tl.event("alloc", st.req_id, ext=num_external_tokens, chunks=k - first,
+        self.timeline.event("alloc", st.req_id, ext=num_external_tokens, chunks=k - first,
                       in_flight=self._reads_in_flight(st))  # fmt: skip
         if plan.is_async:
             job.awaits_prefetch = self._reads_in_flight(st)
@@ -538,9 +538,9 @@ class SchedulerSide:
             if st.load is not None and not st.load_settled and (st.prefetch is None or not st.prefetch.pending()):
                 st.load_settled = True
                 meta.settled.append(st.req_id)
-                self.tl.event("settled", st.req_id)
+                self.timeline.event("settled", st.req_id)
         meta.cancel_loads, self._cancel_loads = self._cancel_loads, []
-        if self.s.save:
+        if self.settings.save:
             self._plan_saves(scheduler_output, meta)
         meta.await_saves, self._await_saves = self._await_saves, []
         # Preempted requests lose their blocks at once: the worker must finish reading them before the step
@@ -556,7 +556,7 @@ class SchedulerSide:
         self._running = set(getattr(scheduler_output, "num_scheduled_tokens", None) or ())
         return meta
 
-    def _wait_for_reads(self, so: Any) -> None:
+    def _wait_for_reads(self, step: Any) -> None:
         """Wait here, blocked, for the reads the step about to go to the workers would wait for while vLLM's
         engine core spins (`_wait_parked` says why that spin stalls them): those of its in-step loads that joined
         reads in flight in this process (a late prefetch finished in the step), until they have landed (at most
@@ -568,11 +568,11 @@ class SchedulerSide:
         if in_step:
             with self._landed:
                 self._landed.wait_for(lambda: not any(self._reads_pending(st) for st in in_step),
-                                      timeout=self.s.store.io.join_timeout_s)  # fmt: skip
+                                      timeout=self.settings.store.io.join_timeout_s)  # fmt: skip
             return
-        self._wait_parked(so)
+        self._wait_parked(step)
 
-    def _wait_parked(self, so: Any) -> None:
+    def _wait_parked(self, step: Any) -> None:
         """A step with nothing in it while requests are parked on their reads: wait here, blocked, until the
         next read lands (at most `PARKED_WAIT_S`), rather than return an empty step at once.
 
@@ -583,7 +583,7 @@ class SchedulerSide:
         tens of seconds, `workqueue lockup` with `blk_throtl_dispatch_work_fn` pending) and from the I/O
         threads. Blocked here, the engine core sleeps until what the parked requests wait for has moved.
         """
-        if int(getattr(so, "total_num_scheduled_tokens", 0) or 0) > 0 or self._new_loads or self._cancel_loads \
+        if int(getattr(step, "total_num_scheduled_tokens", 0) or 0) > 0 or self._new_loads or self._cancel_loads \
                 or self._await_saves:
             return  # the step has work for the workers
         parked = [st for st in self.reqs.values() if st.load is not None]
@@ -599,21 +599,21 @@ class SchedulerSide:
     def _reads_pending(st: _Req) -> bool:
         return st.prefetch is not None and st.prefetch.pending() > 0
 
-    def _plan_saves(self, so: Any, meta: KVPrefetchMetadata) -> None:
+    def _plan_saves(self, step: Any, meta: KVPrefetchMetadata) -> None:
         progress: list[tuple[str, int]] = []
-        for nr in so.scheduled_new_reqs:
-            progress.append((nr.req_id, nr.num_computed_tokens + so.num_scheduled_tokens.get(nr.req_id, 0)))
-        cached = so.scheduled_cached_reqs
+        for nr in step.scheduled_new_reqs:
+            progress.append((nr.req_id, nr.num_computed_tokens + step.num_scheduled_tokens.get(nr.req_id, 0)))
+        cached = step.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
-            progress.append((rid, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0)))
+            progress.append((rid, cached.num_computed_tokens[i] + step.num_scheduled_tokens.get(rid, 0)))
         for rid, done_tokens in progress:
             st = self.reqs.get(rid)
             if st is None:
                 continue
-            full = min(done_tokens, st.request.num_tokens) // self.C
+            full = min(done_tokens, st.request.num_tokens) // self.chunk_tokens
             if full <= st.saved_chunks:
                 continue
-            self._keys(st, full * self.C)
+            self._keys(st, full * self.chunk_tokens)
             # Chunks already in DRAM (on every rank) are skipped. Chunks only on disk that the engine computed
             # anyway (recomputed because the disk was too slow, or served by vLLM's own prefix cache) are put
             # again: into DRAM, where the next hit is cheap; the store does not write them to disk twice.
@@ -625,29 +625,29 @@ class SchedulerSide:
             st.saved_chunks = full
             if first >= full or self.get_block_ids is None:
                 continue
-            blocks = self.get_block_ids(rid)
-            if len(blocks) < full * self.bpc:
+            blocks, per = self.get_block_ids(rid), self.blocks_per_chunk
+            if len(blocks) < full * per:
                 continue
             job = SaveJob(
                 self._next_job,
                 rid,
                 st.chunk_keys(first, full),
-                [[int(b) for b in blocks[c * self.bpc : (c + 1) * self.bpc]] for c in range(first, full)],
+                [[int(b) for b in blocks[c * per : (c + 1) * per]] for c in range(first, full)],
             )
             self._next_job += 1
             st.saves_inflight.add(job.job_id)
             self._save_owner[job.job_id] = (rid, 0)
             self._save_keys[job.job_id] = keys = [k for rank in job.keys for k in rank]
-            until = self.clock() + self.s.store.io.join_timeout_s  # (a save never reported: forgotten then)
+            until = self.clock() + self.settings.store.io.join_timeout_s  # (a save never reported: forgotten then)
             for key in keys:
                 self._saving[key] = until
             meta.saves.append(job)
             self.counters.inc("saved_chunks", full - first)
 
     def update_connector_output(self, output: Any) -> None:
-        wm = getattr(output, "kv_connector_worker_meta", None)
-        if isinstance(wm, KVPrefetchWorkerMeta):
-            for job_id, n in wm.saves_done.items():
+        worker_meta = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(worker_meta, KVPrefetchWorkerMeta):
+            for job_id, n in worker_meta.saves_done.items():
                 owner = self._save_owner.get(job_id)
                 if owner is None:
                     continue
@@ -660,18 +660,18 @@ class SchedulerSide:
                         st.saves_inflight.discard(job_id)
                 else:
                     self._save_owner[job_id] = (rid, done)
-            if wm.load_bytes and wm.load_seconds:
-                self.cost.observe_copy(wm.load_bytes, wm.load_seconds)
-            if wm.step_tokens and wm.forward_seconds:
-                self.cost.observe_prefill(wm.step_tokens, wm.forward_seconds)
-            if wm.disk_bytes and wm.disk_seconds:
-                self.cost.observe_disk(wm.disk_bytes, wm.disk_seconds)
-            self.rank_counters.merge(wm.ranks)
-            if wm.saves_done:
+            if worker_meta.load_bytes and worker_meta.load_seconds:
+                self.cost.observe_copy(worker_meta.load_bytes, worker_meta.load_seconds)
+            if worker_meta.step_tokens and worker_meta.forward_seconds:
+                self.cost.observe_prefill(worker_meta.step_tokens, worker_meta.forward_seconds)
+            if worker_meta.disk_bytes and worker_meta.disk_seconds:
+                self.cost.observe_disk(worker_meta.disk_bytes, worker_meta.disk_seconds)
+            self.rank_counters.merge(worker_meta.ranks)
+            if worker_meta.saves_done:
                 self.leases.retry_pins()  # leases on finish wait for their request's last saves
         for rid in getattr(output, "finished_recving", None) or ():
             st = self.reqs.get(rid)
-            self.tl.event("recv_done", rid)
+            self.timeline.event("recv_done", rid)
             if st is not None and st.phase is Phase.LOADING:
                 st.load = None
                 self.holds.set_phase(st, Phase.DONE)
@@ -696,7 +696,7 @@ class SchedulerSide:
     # ---- the end --------------------------------------------------------------------------------------------
     def request_finished(self, request: Any) -> bool:
         self._running.discard(request.request_id)
-        self.tl.event("finished", request.request_id)
+        self.timeline.event("finished", request.request_id)
         st = self.reqs.pop(request.request_id, None)
         if st is None:
             return False
@@ -721,7 +721,7 @@ class SchedulerSide:
     def _lease_on_finish(self, st: _Req) -> None:
         """Keep the finished request's chunks (prompt + answer: its session's likely next head) in DRAM for
         keep_warm_s; the chunks its last saves still write are pinned as those land (`update_connector_output`)."""
-        keep = keep_warm_s(st.request, self.s.keep_warm_s)
+        keep = keep_warm_s(st.request, self.settings.keep_warm_s)
         if keep > 0 and st.saved_chunks > 0:
             self.leases.grant(f"finish-{st.req_id}", "finish", st.flat_keys(0, st.saved_chunks), keep, self.tp_size)
 
@@ -743,8 +743,8 @@ class SchedulerSide:
         (Thread-safe: the warm server calls it from its own thread.)"""
         self.leases.expire()
         self.counters.inc("warm_calls")
-        n = len(token_ids) // self.C
-        keys = [k.keys(list(token_ids[: n * self.C])) for k in self.keyers]
+        n = len(token_ids) // self.chunk_tokens
+        keys = [k.keys(list(token_ids[: n * self.chunk_tokens])) for k in self.keyers]
         hit = self._hit(keys)
         m = hit.num_chunks
         flat = [k[i] for i in range(m) for k in keys]

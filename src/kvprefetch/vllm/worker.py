@@ -224,7 +224,7 @@ class Loader(_RankPart):
         self._cancelled: set[str] = set()
         self._active: set[str] = set()  # requests with an async load on this worker
         self._started: KVPrefetchMetadata | None = None
-        self.tl = timeline()
+        self.timeline = timeline()
 
     # ---- reading chunks -------------------------------------------------------------------------------------
     def sources(self, job: LoadJob, stack: contextlib.ExitStack, stage: torch.Tensor) -> list[torch.Tensor]:
@@ -275,7 +275,7 @@ class Loader(_RankPart):
                     self._inflight += 1
                     self._active.add(job.req_id)
                 self._pool.submit(self._async_load, job)
-                self.tl.event("job_queued", job.req_id, chunks=job.num_chunks, awaits=job.awaits_prefetch)
+                self.timeline.event("job_queued", job.req_id, chunks=job.num_chunks, awaits=job.awaits_prefetch)
         if meta.settled or meta.cancel_loads:
             with self._cv:
                 self._settled.update(r for r in meta.settled if r in self._active)
@@ -325,7 +325,7 @@ class Loader(_RankPart):
         """Copy each chunk into the engine as soon as it is in DRAM, in order; report the job finished."""
         errors: set[int] = set()
         rid = job.req_id
-        self.tl.event("job_start", rid)
+        self.timeline.event("job_start", rid)
         try:
             if not job.cancelled:
                 self.counters.inc("async_loads")
@@ -340,7 +340,7 @@ class Loader(_RankPart):
         except BaseException as e:
             self.warn(type(e).__name__, f"async load failed ({e}); recomputing")
             errors = failed_blocks(job, 0)
-        self.tl.event("job_done", rid, errors=len(errors))
+        self.timeline.event("job_done", rid, errors=len(errors))
         with self._cv:
             self._done_recv.append((rid, errors))
             self._settled.discard(rid)
@@ -366,7 +366,7 @@ class Loader(_RankPart):
                         t0 = time.perf_counter()
                         self._scatter_all(chunk_tensor(views[0]), job.block_ids[i])
                         copy_s += time.perf_counter() - t0
-                        self.tl.event("copied", rid, i=i, how="dram", waited=round(t0 - t_wait, 4))
+                        self.timeline.event("copied", rid, i=i, how="dram", waited=round(t0 - t_wait, 4))
                         break
                 if job.awaits_prefetch and not settled:
                     with self._cv:  # the scheduler's process is reading it: look again soon
@@ -377,7 +377,7 @@ class Loader(_RankPart):
                 if not self._get_into([key], stage):
                     return i, copy_s
                 t0 = time.perf_counter()
-                self.tl.event("copied", rid, i=i, how="read", read_s=round(t0 - t_read, 4),
+                self.timeline.event("copied", rid, i=i, how="read", read_s=round(t0 - t_read, 4),
                               waited=round(t0 - t_wait, 4))  # fmt: skip
                 self._scatter_all(stage[0], job.block_ids[i])
                 copy_s += time.perf_counter() - t0
