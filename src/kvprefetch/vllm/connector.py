@@ -35,6 +35,7 @@ from kvprefetch.vllm.metrics import ConnectorCounters, Reporter
 from kvprefetch.vllm.scheduler import SchedulerSide, WarmCounts
 from kvprefetch.vllm.settings import ConnectorSettings, parse_extra_config
 from kvprefetch.vllm.stats import KVPrefetchPromMetrics, KVPrefetchStats, StatsTracker, vllm_hit_sources
+from kvprefetch.vllm.store_api import ConnectorStore
 from kvprefetch.vllm.warm_api import WarmServer, engine_handler, socket_name
 from kvprefetch.vllm.worker import WorkerSide
 
@@ -138,8 +139,9 @@ class KVPrefetchConnector(KVConnectorBase_V1):
         self._vllm_stats = StatsTracker(self.counters, lambda: self.store.io.stats.totals())
         self._closed_store = False
         self._warm_server: WarmServer | None = None
+        self._scheduler_store: ConnectorStore | None = None
         if is_scheduler:
-            store = open_store(self.settings, self.geo.chunk_bytes)
+            store = self._scheduler_store = open_store(self.settings, self.geo.chunk_bytes)
             self._sched = SchedulerSide(
                 self.settings,
                 self.keyer,
@@ -312,10 +314,9 @@ class KVPrefetchConnector(KVConnectorBase_V1):
         return self._sched is not None
 
     @property
-    def store(self) -> TieredStore | None:
-        if self._sched is not None:
-            return self._sched.store
-        return self._worker.store if self._worker is not None else None
+    def store(self) -> ConnectorStore | None:
+        """The store this half opened (the worker's opens with its KV caches, `register_kv_caches`)."""
+        return self._worker.store if self._worker is not None else self._scheduler_store
 
     def stats(self) -> dict[str, Any]:
         return self.counters.snapshot()

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvprefetch.keys import ChunkKeyer
 from kvprefetch.tiers.chunk_format import image_bytes
@@ -51,10 +51,8 @@ from kvprefetch.vllm.leases import Lease, Leases
 from kvprefetch.vllm.metadata import KVPrefetchMetadata, KVPrefetchWorkerMeta, LoadJob, SaveJob
 from kvprefetch.vllm.metrics import ConnectorCounters, RankCounters, hit_counter
 from kvprefetch.vllm.settings import ConnectorSettings, LoadMode
+from kvprefetch.vllm.store_api import ReadHandle, SchedulerStore
 from kvprefetch.vllm.timeline import timeline
-
-if TYPE_CHECKING:
-    from kvprefetch.store import PrefetchHandle, TieredStore
 
 _DRAM = "dram"  # `Tier.DRAM`'s value (a StrEnum: equal to it), without importing the store here
 PROBE_CHUNKS = 4  # chunks a disk probe reads: the disk meter's sample (`TierMeter.sample_ops`)
@@ -92,7 +90,7 @@ class _Plan:
 class _Hit:
     """A lookup across every rank: chunk i is a hit only if every rank has it."""
 
-    tiers: list[list[Any]]  # tiers[rank][i] for the leading hit chunks (same length on every rank)
+    tiers: list[Sequence[str]]  # tiers[rank][i] for the leading hit chunks (same length on every rank)
 
     @property
     def num_chunks(self) -> int:
@@ -121,7 +119,7 @@ class _Req:
     arrival_seq: int
     phase: Phase = Phase.ARRIVED
     keys: list[list[bytes]] = field(default_factory=list)  # keys[rank][i]
-    prefetch: PrefetchHandle | None = None  # reads into DRAM (from arrival, or from reaching it, prefetch off)
+    prefetch: ReadHandle | None = None  # reads into DRAM (from arrival, or from reaching it, prefetch off)
     plan: _Plan | None = None  # PLANNED: what to load once blocks are allocated
     load: LoadJob | None = None  # LOADING, async: the job the workers have
     load_settled: bool = False  # ... and whether they were told its reads are over
@@ -144,14 +142,14 @@ class _Req:
 class DramHolds:
     """The one way the scheduler keeps chunks in DRAM for a request until it is served, under one budget.
 
-    A held chunk is pinned once per request (`TieredStore.pin`, released by `unpin`); at most ``budget`` chunks
+    A held chunk is pinned once per request (`SchedulerStore.pin`, released by `unpin`); at most ``budget`` chunks
     are held at once (half the DRAM tier: holding more would leave no room for the reads and saves themselves).
     Holds are taken as prefetched chunks land (on an I/O thread) and when a load is planned, only while the
     request is in a holding phase; `set_phase` leaves those phases and drops the holds atomically with respect
     to a landing chunk.
     """
 
-    def __init__(self, store: TieredStore, budget: int):
+    def __init__(self, store: SchedulerStore, budget: int):
         self.store = store
         self.budget = budget
         self.held = 0
@@ -184,7 +182,7 @@ class SchedulerSide:
         self,
         settings: ConnectorSettings,
         keyer: ChunkKeyer,
-        store: TieredStore,
+        store: SchedulerStore,
         block_size: int,
         blocks_per_chunk: int,
         chunk_bytes: int,
@@ -436,7 +434,7 @@ class SchedulerSide:
 
     def _probe_disk(self, st: _Req, hit: _Hit, k: int) -> None:
         """The rule recomputes chunks [k, ...) of this hit: if some are on disk and the disk rate is stale, read
-        the first `PROBE_CHUNKS` of them in the background (`TieredStore.measure_reads`: into scratch memory, not
+        the first `PROBE_CHUNKS` of them in the background (`SchedulerStore.measure_reads`: into scratch memory, not
         DRAM, where they would keep this request's own saves of them out until the slow reads end), so the disk
         meter samples the disk again.
 
@@ -789,7 +787,7 @@ class WarmCounts:
                 "remote": self.remote, "missing": self.missing, "ttl_s": round(self.ttl_s, 3)}  # fmt: skip
 
 
-def lease_counts(lease: Lease, tp_size: int, store: TieredStore, now: float) -> WarmCounts:
+def lease_counts(lease: Lease, tp_size: int, store: SchedulerStore, now: float) -> WarmCounts:
     """A lease's chunks where they are now (`warm_status`)."""
     keys = lease.keys
     chunks = len(keys) // max(tp_size, 1)

@@ -32,7 +32,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,10 +39,8 @@ from kvprefetch.io.affinity import pin_thread, pinned_initializer
 from kvprefetch.vllm.layout import ChunkGeometry, PagedKV, chunk_tensor
 from kvprefetch.vllm.metadata import KVPrefetchMetadata, KVPrefetchWorkerMeta, LoadJob, SaveJob
 from kvprefetch.vllm.metrics import ConnectorCounters
+from kvprefetch.vllm.store_api import ConnectorStore, WorkerStore
 from kvprefetch.vllm.timeline import timeline
-
-if TYPE_CHECKING:
-    from kvprefetch.store import TieredStore
 
 log = logging.getLogger("kvprefetch.vllm")
 IDLE_WAIT_S = 0.005  # longest an empty engine step waits for an async load to finish
@@ -194,7 +191,7 @@ def failed_blocks(job: LoadJob, n_ok: int) -> set[int]:
 class _RankPart:
     """What both parts of a worker work on: this rank's paged KV and view of the store, and where they report."""
 
-    def __init__(self, rank: int, kv: PagedKV, geo: ChunkGeometry, store: TieredStore, counters: ConnectorCounters,
+    def __init__(self, rank: int, kv: PagedKV, geo: ChunkGeometry, store: WorkerStore, counters: ConnectorCounters,
                  telemetry: Telemetry, warn: Callable[[str, str], None]):  # fmt: skip
         self.rank, self.kv, self.geo, self.store = rank, kv, geo, store
         self.counters, self.telemetry, self.warn = counters, telemetry, warn
@@ -490,7 +487,7 @@ class WorkerSide:
         num_blocks: int,
         block_size: int,
         chunk_tokens: int,
-        open_store: Callable[[int], TieredStore],
+        open_store: Callable[[int], ConnectorStore],
         counters: ConnectorCounters,
         layerwise: bool = True,
     ):
@@ -503,7 +500,7 @@ class WorkerSide:
         self.counters = counters
         self.layerwise = layerwise
         self.telemetry = Telemetry(rank)
-        self.store: TieredStore | None = None
+        self.store: ConnectorStore | None = None
         self.loader: Loader | None = None
         self.saver: Saver | None = None
         self.layer_index: dict[str, int] = {}
