@@ -24,6 +24,7 @@ def test_cost_model_loads_only_what_pays():
     # Chunks the engine already holds are never counted.
     assert cm.plan([True, True], first=2).load_chunks == 2
 
+
 def test_cost_model_prefix_rule_can_load_past_one_slow_chunk():
     # 10 ms to recompute a chunk, 1 ms to copy one, 15 ms to read one from disk.
     cm = CostModel(chunk_bytes=1 << 20, chunk_tokens=256, prefill_tps=256 / 0.01, copy_bps=(1 << 20) / 0.001,
@@ -44,6 +45,7 @@ def test_cost_model_prefix_rule_can_load_past_one_slow_chunk():
     assert cm.plan([False, False, True], async_s=cm.expected_step_s(10_000)).load_chunks == 2
     assert cm.plan([False, False, True]).load_chunks == 3  # sync mode: no step to wait for
     assert cm.expected_step_s(0) == 0  # an idle engine: the async load is reported at once
+
 
 def test_tier_meter_measures_busy_time_not_queueing():
     from concurrent.futures import Future
@@ -70,6 +72,7 @@ def test_tier_meter_measures_busy_time_not_queueing():
     m.track([g], 100)
     g.cancel()  # a dropped read moves no bytes
     assert m.outstanding == 0 and len(samples) == 3
+
 
 def test_auto_load_mode_reads_in_the_step_only_when_that_costs_the_batch_less():
     """`CostModel.finish_in_step`: reads inside the step stall every running request; parking the request

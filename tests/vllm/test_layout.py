@@ -9,6 +9,7 @@ from kvprefetch.vllm.layout import PagedKV, effective_chunk_tokens
 
 L, B, H, N, C = 3, 10, 2, 4, 6  # layers, blocks, heads, tokens per block, content
 
+
 def make_layers(order: str, kernel_split: int = 1) -> list[torch.Tensor]:
     """Per-layer logical [B, H, N, C] views of one backing tensor in the given physical order."""
     nb = B * kernel_split
@@ -18,6 +19,7 @@ def make_layers(order: str, kernel_split: int = 1) -> list[torch.Tensor]:
     perm = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4), "BLHNC": (1, 0, 2, 3, 4)}
     logical = back.permute(*perm[order])  # [L, B, H, N, C] view over the physical order
     return [logical[i] for i in range(L)]
+
 
 @pytest.mark.parametrize("order,split", [("LBHNC", 1), ("LBNHC", 1), ("LHBNC", 1), ("BLHNC", 1), ("LBHNC", 2)])
 def test_gather_scatter_round_trip(order, split):
@@ -56,6 +58,7 @@ def test_gather_scatter_round_trip(order, split):
         dst2.scatter_chunk_layer(li, chunk_tensor(ro), [-1, 5], geo)
         assert torch.equal(dst2.layers[li][5], src.layers[li][9]) and not dst2.layers[li][0].any()
 
+
 _SIDE_THREAD_COPIES = """
 import os, threading, torch
 from kvprefetch.vllm.layout import PagedKV, chunk_tensor
@@ -84,6 +87,7 @@ assert torch.equal(layers[3][40], layers[3][24]) and torch.equal(layers[2][50], 
 print(during - before - 1)
 """
 
+
 def test_copies_on_the_connectors_threads_start_no_openmp_team():
     """The loader and saver threads copy host KV without torch ops: a torch op there starts an OpenMP team of
     its own whose threads spin beside the model's forward (the decode step doubled on a 2-core machine)."""
@@ -93,6 +97,7 @@ def test_copies_on_the_connectors_threads_start_no_openmp_team():
     run = subprocess.run([sys.executable, "-c", _SIDE_THREAD_COPIES], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split()[-1] == "0"  # the copies started no thread beside the connector's own
+
 
 def test_chunk_is_whole_blocks():
     assert effective_chunk_tokens(256, 128) == 256

@@ -26,10 +26,12 @@ def test_settings_defaults_and_validation(tmp_path):
     with pytest.raises(ValueError):
         parse_extra_config({"metrics_port": "http"})
 
+
 def test_load_mode_auto_is_a_valid_setting():
     assert parse_extra_config({"load_mode": "auto"}).load_mode == "auto"
     with pytest.raises(ValueError, match="load_mode"):
         parse_extra_config({"load_mode": "sometimes"})
+
 
 def test_settings_errors_name_the_key_and_value():
     for bad, words in [
