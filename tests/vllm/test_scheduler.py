@@ -12,7 +12,7 @@ from kvprefetch.vllm.metrics import ConnectorCounters
 from kvprefetch.vllm.settings import parse_extra_config
 
 
-def make_scheduler(prefetch=True, **extra):
+def make_scheduler(prefetch=True, clock=time.monotonic, **extra):
     from kvprefetch.keys import ChunkKeyer, KVNamespace
     from kvprefetch.vllm.scheduler import SchedulerSide
 
@@ -23,16 +23,19 @@ def make_scheduler(prefetch=True, **extra):
     blocks = {}
     side = SchedulerSide(
         settings, keyer, store, block_size=128, blocks_per_chunk=2, chunk_bytes=1000,
-        counters=ConnectorCounters("scheduler"), get_block_ids=lambda rid: blocks.get(rid, []),
+        counters=ConnectorCounters("scheduler"), get_block_ids=lambda rid: blocks.get(rid, []), clock=clock,
     )
     return side, store, keyer, blocks
 
+
 ids = itertools.count()
+
 
 def req(tokens):
     return SimpleNamespace(
         request_id=f"r{next(ids)}", prompt_token_ids=tokens, all_token_ids=tokens, num_tokens=len(tokens)
     )
+
 
 def test_scheduler_prefetches_on_arrival_and_loads_async_until_in_dram():
     side, store, keyer, _ = make_scheduler()
@@ -45,8 +48,8 @@ def test_scheduler_prefetches_on_arrival_and_loads_async_until_in_dram():
     assert len(store.handles) == 1 and store.handles[0].num_reads == 3  # read starts on arrival
     n, is_async = side.get_num_new_matched_tokens(r, 0)
     assert (n, is_async) == (768, True)
-    assert side.counters.snapshot()["prefetch_late"] == 1
     side.update_state_after_alloc(r, list(range(100, 109)), 768)
+    assert side.counters.snapshot()["prefetch_late"] == 1
     so = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
                          num_scheduled_tokens={}, total_num_scheduled_tokens=0)
     # The worker gets the job at once and copies each chunk as it reaches DRAM ...
@@ -58,6 +61,7 @@ def test_scheduler_prefetches_on_arrival_and_loads_async_until_in_dram():
     meta = side.build_connector_meta(so)
     assert meta.loads == [] and meta.settled == [r.request_id]  # ... and learns when the reads are over
     assert side.build_connector_meta(so).settled == []  # once
+
 
 def test_an_empty_step_with_requests_parked_on_their_reads_waits_for_them_instead_of_spinning(monkeypatch):
     """Issue 48: vLLM steps again at once after an empty step and spins on its core waiting for each step's
@@ -115,6 +119,7 @@ def test_an_empty_step_with_requests_parked_on_their_reads_waits_for_them_instea
     assert side.build_connector_meta(empty).settled == []
     assert 1.0 <= time.monotonic() - t0 < 3.0
 
+
 def test_a_step_whose_in_step_load_joins_reads_in_flight_waits_for_them_before_the_workers_start_it():
     """Issue 48: the workers' in-step wait for a late prefetch's reads left vLLM's engine core spinning on its core
     (reads stalled about 1 s a step); the scheduler waits for them, blocked, before it hands the step over."""
@@ -151,6 +156,7 @@ def test_a_step_whose_in_step_load_joins_reads_in_flight_waits_for_them_before_t
     assert pending == 0, "the workers get the step once its reads are in DRAM"
     assert 0 <= returned - landed_at[-1] < 0.5
 
+
 def test_scheduler_sync_mode_loads_disk_hits_inside_the_step():
     side, store, keyer, _ = make_scheduler(prefetch=False, load_mode="sync")
     toks = list(range(1100))
@@ -167,6 +173,7 @@ def test_scheduler_sync_mode_loads_disk_hits_inside_the_step():
     assert not job.is_async and job.on_disk == 2
     assert side.counters.snapshot()["demand_reads"] == 1
 
+
 def test_scheduler_recomputes_when_the_disk_is_slow():
     side, store, keyer, _ = make_scheduler(prefetch=False)
     side.cost.observe_prefill(2560, 0.1)  # 25.6k tok/s: 10 ms per chunk
@@ -177,7 +184,9 @@ def test_scheduler_recomputes_when_the_disk_is_slow():
     r = req(toks)
     side.on_new_request(r)
     assert side.get_num_new_matched_tokens(r, 0) == (256, False)  # the DRAM head only: a split
+    side.update_state_after_alloc(r, list(range(9)), 256)
     assert side.counters.snapshot()["recomputed_slower_chunks"] == 2
+
 
 def test_a_rule_that_recomputes_because_the_disk_looked_slow_measures_it_again_and_loads_once_it_is_fast():
     """Recomputing reads nothing: without a probe, a slow moment (here the prior) would never be corrected."""
@@ -202,11 +211,14 @@ def test_a_rule_that_recomputes_because_the_disk_looked_slow_measures_it_again_a
     r = req(toks)
     side.on_new_request(r)
     assert side.get_num_new_matched_tokens(r, 0) == (0, False), "1 kB/s (the prior): 1 s a chunk, 10 ms to compute"
+    side.update_state_after_alloc(r, [], 0)  # vLLM admits it: the probe starts
     assert len(store.handles) == 1 and store.handles[0].reads == keys[:3], "read in the background, to measure"
     assert side.counters.snapshot()["disk_probe_chunks"] == 3
     r2 = req(toks)
     side.on_new_request(r2)
-    assert side.get_num_new_matched_tokens(r2, 0) == (0, False) and len(store.handles) == 1, "one probe at a time"
+    assert side.get_num_new_matched_tokens(r2, 0) == (0, False)
+    side.update_state_after_alloc(r2, [], 0)
+    assert len(store.handles) == 1, "one probe at a time"
     now[0] += 0.003  # the probe's three reads land in 3 ms: 1 MB/s
     for _ in range(3):
         side.disk_meter.completed(True, 1000)
@@ -218,11 +230,16 @@ def test_a_rule_that_recomputes_because_the_disk_looked_slow_measures_it_again_a
         side.cost.observe_disk(1000, 1.0)
     r4 = req(toks)
     side.on_new_request(r4)
-    assert side.get_num_new_matched_tokens(r4, 0) == (0, False) and len(store.handles) == 1, "a fresh estimate"
+    assert side.get_num_new_matched_tokens(r4, 0) == (0, False)
+    side.update_state_after_alloc(r4, [], 0)
+    assert len(store.handles) == 1, "a fresh estimate"
     never = side_with(0.0)
     r5 = req(toks)
     never.on_new_request(r5)
-    assert never.get_num_new_matched_tokens(r5, 0) == (0, False) and len(store.handles) == 1, "0: never probes"
+    assert never.get_num_new_matched_tokens(r5, 0) == (0, False)
+    never.update_state_after_alloc(r5, [], 0)
+    assert len(store.handles) == 1, "0: never probes"
+
 
 def test_in_step_loads_planned_for_a_step_queue_ahead_of_the_next_requests_reads():
     """Sync loads of one step share the disk: the second request of a burst is weighed behind the first's reads."""
@@ -243,6 +260,7 @@ def test_in_step_loads_planned_for_a_step_queue_ahead_of_the_next_requests_reads
     side.build_connector_meta(so)  # the step with a's reads runs; the next is scheduled after it
     assert side.get_num_new_matched_tokens(c, 0) == (768, False), "nothing planned ahead of it in its step"
 
+
 def test_scheduler_sync_load_from_dram_skips_engine_prefix_and_keeps_one_token():
     side, store, keyer, _ = make_scheduler(prefetch=False)
     toks = list(range(1024))  # exactly four chunks: the last can't be a hit (a token must be computed)
@@ -259,6 +277,7 @@ def test_scheduler_sync_load_from_dram_skips_engine_prefix_and_keeps_one_token()
     job = side.build_connector_meta(so).loads[0]
     assert not job.is_async
     assert job.block_ids == [[-1, 203], [204, 205]]  # block 202 is the engine's own, the rest is loaded
+
 
 def test_scheduler_saves_whole_chunks_and_holds_blocks_while_saving():
     from kvprefetch.vllm.metadata import KVPrefetchWorkerMeta
@@ -288,6 +307,7 @@ def test_scheduler_saves_whole_chunks_and_holds_blocks_while_saving():
     job = side.build_connector_meta(so3).saves[0]
     side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=KVPrefetchWorkerMeta({job.job_id: 1})))
     assert side.request_finished(r2) is False
+
 
 def test_scheduler_holds_prefetched_chunks_in_dram_until_the_request_is_served(tmp_path):
     """Prefetched chunks are pinned as they land, so later arrivals cannot evict them before their request is
@@ -335,6 +355,7 @@ def test_scheduler_holds_prefetched_chunks_in_dram_until_the_request_is_served(t
             for f in Path("/dev/shm").glob(f"*{n}*"):
                 f.unlink(missing_ok=True)
 
+
 def test_scheduler_auto_mode_finishes_a_late_prefetch_in_the_step_unless_that_stalls_a_busy_batch():
     """load_mode auto: a request reached with its prefetch still in flight is not parked for a step when its
     reads cost the batch less than the step it would wait; on a busy engine with long reads it is."""
@@ -347,17 +368,20 @@ def test_scheduler_auto_mode_finishes_a_late_prefetch_in_the_step_unless_that_st
     r = req(toks)
     side.on_new_request(r)  # the prefetch starts, and (fake store) stays in flight
     assert side.get_num_new_matched_tokens(r, 0) == (768, False)  # idle engine: read in the step
+    side.update_state_after_alloc(r, list(range(9)), 768)
     assert side.counters.snapshot()["finished_in_step"] == 1 and side.counters.snapshot()["prefetch_late"] == 1
     # a busy engine (4 running, 5 ms steps) and reads of 100 ms: parking costs this request less than stalling 5
     busy = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
                            num_scheduled_tokens={f"x{i}": 1 for i in range(4)}, total_num_scheduled_tokens=4)
+    store.handles[0].finished = True  # r's reads are over (in its step): no queue ahead of r2's
     side.build_connector_meta(busy)
-    store.handles[0].finished = True  # r's reads are over: no queue ahead of r2's
     side.cost.observe_disk(1000, 0.1)
     r2 = req(toks[:1000] + [7] * 100)
     side.on_new_request(r2)
     assert side.get_num_new_matched_tokens(r2, 0) == (768, True)
+    side.update_state_after_alloc(r2, list(range(9, 18)), 768)
     assert side.counters.snapshot()["finished_in_step"] == 1
+
 
 def test_scheduler_tp2_hit_needs_every_rank_and_prefetches_and_holds_both(tmp_path):
     """Rank 1 has only the first two of four chunks: the hit is two chunks; both ranks' parts are read into
@@ -395,10 +419,10 @@ def test_scheduler_tp2_hit_needs_every_rank_and_prefetches_and_holds_both(tmp_pa
         assert st.phase is Phase.PREFETCHING and st.prefetch is not None and st.prefetch.num_reads == 4
         assert side.wait_for_reads(30)
         assert side.get_num_new_matched_tokens(r, 0) == (512, False)  # two chunks, both ranks in DRAM: sync
+        side.update_state_after_alloc(r, list(range(10, 19)), 512)
         ranks = side.rank_counters.snapshot()
         for rank in (0, 1):
             assert ranks[rank]["prefetched_chunks"] == 2 and ranks[rank]["reached_in_dram_chunks"] == 2
-        side.update_state_after_alloc(r, list(range(10, 19)), 512)
         assert st.phase is Phase.LOADING and st.holds == {*k0[:2], *k1[:2]} and side.holds.held == 4
         so = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
                              num_scheduled_tokens={}, total_num_scheduled_tokens=0)  # fmt: skip
@@ -412,3 +436,89 @@ def test_scheduler_tp2_hit_needs_every_rank_and_prefetches_and_holds_both(tmp_pa
         for n in pools:
             for f in Path("/dev/shm").glob(f"*{n}*"):
                 f.unlink(missing_ok=True)
+
+
+# ---- asking decides, admitting acts (vLLM may ask more than once before it admits a request) ------------------
+
+
+def slow_disk_request(side, store, keyer):
+    """A request whose head chunk is in DRAM and whose next two are on a disk the rule finds too slow (a 1 kB/s
+    prior, never measured: stale), their prefetch still in flight."""
+    toks = list(range(1100))
+    keys = keyer.keys(toks)
+    store.tiers.update({keys[0]: "dram", keys[1]: "disk", keys[2]: "disk"})
+    r = req(toks)
+    side.on_new_request(r)
+    return r, keys
+
+
+def test_asking_has_no_effect_until_vllm_admits_the_request():
+    """get_num_new_matched_tokens only decides: the reads it would drop, the probe it would start, the counts and
+    the phase change all wait for update_state_after_alloc, and happen once however often vLLM asked."""
+    from kvprefetch.vllm.scheduler import Phase
+
+    side, store, keyer, _ = make_scheduler(disk_bps_prior=1000.0, prefill_tps_prior=25600.0)
+    r, keys = slow_disk_request(side, store, keyer)
+    st, prefetch = side.reqs[r.request_id], store.handles[0]
+    before = side.counters.snapshot()
+    for _ in range(3):  # vLLM skipped it twice (its blocks did not fit), then admits it
+        assert side.get_num_new_matched_tokens(r, 0) == (256, False), "the DRAM head only"
+    assert side.counters.snapshot() == before and side.rank_counters.snapshot()[0].get("reached_hit_chunks", 0) == 0
+    assert prefetch.cancelled == [] and len(store.handles) == 1 and st.phase is Phase.PREFETCHING
+    side.update_state_after_alloc(r, list(range(9)), 256)
+    counts = side.counters.snapshot()
+    assert prefetch.cancelled == keys[1:3] and counts["prefetch_cancelled_chunks"] == 2, "reads it recomputes"
+    assert counts["recomputed_slower_chunks"] == 2 and counts["prefetch_late"] == 1
+    assert len(store.handles) == 2 and counts["disk_probe_chunks"] == 2, "the stale disk rate measured again"
+    assert st.phase is Phase.LOADING and st.plan is None
+
+
+def test_a_request_vllm_did_not_admit_is_decided_afresh_and_only_the_admitted_plan_acts():
+    """A plan vLLM never admitted leaves no trace: had its drops happened when it was asked, the reads the next
+    plan loads from would have been dropped already."""
+    side, store, keyer, _ = make_scheduler(disk_bps_prior=1000.0, prefill_tps_prior=25600.0)
+    r, _ = slow_disk_request(side, store, keyer)
+    assert side.get_num_new_matched_tokens(r, 0) == (256, False)  # not admitted: the disk looks slow
+    for _ in range(10):
+        side.cost.observe_disk(1000, 0.0001)  # measured fast meanwhile
+    assert side.get_num_new_matched_tokens(r, 0) == (768, True), "load all three, parked on the prefetch"
+    side.update_state_after_alloc(r, list(range(9)), 768)
+    assert store.handles[0].cancelled == [] and side.counters.snapshot()["recomputed_slower_chunks"] == 0
+    assert len(store.handles) == 1, "no probe: the rate is fresh"
+
+
+def test_a_recompute_answer_vllm_admits_releases_the_requests_holds_then():
+    """A request the rule recomputes leaves the holding phases when vLLM admits it, which releases its pins."""
+    from kvprefetch.vllm.scheduler import Phase
+
+    side, store, keyer, _ = make_scheduler(load_policy="auto")
+    toks = list(range(600))
+    keys = keyer.keys(toks)
+    store.tiers[keys[0]] = "dram"
+    r = req(toks)
+    side.on_new_request(r)
+    st = side.reqs[r.request_id]
+    assert st.holds == {keys[0]} and store.pins == [keys[0]]
+    assert side.get_num_new_matched_tokens(r, 300) == (0, False)  # the engine has the chunk already
+    assert st.holds == {keys[0]}, "still held while vLLM has not admitted it"
+    side.update_state_after_alloc(r, [], 0)
+    assert st.phase is Phase.RECOMPUTED and st.holds == set() and store.pins == []
+
+
+def test_waiting_for_a_save_in_flight_is_set_when_vllm_first_asks():
+    """The one effect of asking: a None answer (wait for the save of the chunk after the hit) gets no call back
+    from vLLM, so its deadline is set, and counted, the first time it is asked; later asks are held to it."""
+    now = [100.0]
+    side, store, keyer, _ = make_scheduler(prefill_tps_prior=2560.0, clock=lambda: now[0])  # 0.1 s a chunk
+    toks = list(range(1100))
+    keys = keyer.keys(toks)
+    store.tiers[keys[0]] = "dram"
+    store.writing = lambda key: key == keys[1]  # chunk 1 is being written into DRAM (a save of the turn before)
+    r = req(toks)
+    side.on_new_request(r)
+    assert side.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert side.counters.snapshot()["joined_saves"] == 1 and side.reqs[r.request_id].join_until == 100.2
+    now[0] += 0.1
+    assert side.get_num_new_matched_tokens(r, 0) == (None, False) and side.counters.snapshot()["joined_saves"] == 1
+    now[0] += 0.15  # past recomputing chunks 0 and 1: stop waiting, load what is there
+    assert side.get_num_new_matched_tokens(r, 0) == (256, False)

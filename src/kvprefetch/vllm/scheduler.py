@@ -8,22 +8,27 @@ The life of a request is a small state machine (`Phase`)::
 
     ARRIVED ──disk hits, prefetch on──> PREFETCHING          (on_new_request: reads start while it queues)
        │                                     │
-       └──────── the scheduler reaches it ───┘               (get_num_new_matched_tokens -> `_reach`)
+       └──────── the scheduler reaches it ───┘               (get_num_new_matched_tokens -> `_decide`: a plan)
                          │
+                  vLLM admits it                             (update_state_after_alloc -> `_commit`: the plan
+                         │                                    takes effect)
             nothing worth loading ──> RECOMPUTED             (miss, or the load-or-recompute rule says so)
                          │
-                      PLANNED ──blocks allocated──> LOADING  (update_state_after_alloc: the job goes to the workers)
-                                                       │
-                          sync: the step ran / async: the workers report it finished
-                                                       │
-                                                     DONE
+                      LOADING                                (the job goes to the workers)
+                         │
+          sync: the step ran / async: the workers report it finished
+                         │
+                       DONE
 
     any phase ──request finished──> FINISHED   (prefetch reads cancelled, an async load told to stop)
 
-A request that vLLM asks about again (no blocks yet, or preempted and back) goes through `_reach` again from
-PLANNED, DONE or RECOMPUTED. While a request is ARRIVED, PREFETCHING, PLANNED or LOADING its chunks that are in
-DRAM are *held* there (`DramHolds`: one pin per chunk and request, one budget: half the DRAM tier), so that the
-requests ahead of it and their saves do not evict them before it is served; leaving those phases releases them.
+Reaching a request only decides (`_Plan`); nothing changes until vLLM admits the request on that plan. vLLM may
+ask again first (it skips a request whose blocks do not fit, and asks again next step), and a request preempted
+and back is asked again from DONE or RECOMPUTED: each ask decides afresh, and only the plan vLLM admits the
+request on takes effect (its phase, its load, the reads it drops, the counts). While a request is ARRIVED,
+PREFETCHING or LOADING its chunks that are in DRAM are *held* there (`DramHolds`: one pin per chunk and request,
+one budget: half the DRAM tier), so that the requests ahead of it and their saves do not evict them before it is
+served; leaving those phases releases them.
 
 What happens when the scheduler reaches a request whose chunks are not all in DRAM (its prefetch is late, was
 evicted, or never ran) is decided in one place: `SchedulerSide.serve_late`. A step with nothing to run while
@@ -65,25 +70,45 @@ PARKED_WAIT_S = 0.05
 class Phase(StrEnum):
     ARRIVED = "arrived"  # keyed; nothing of it is being read
     PREFETCHING = "prefetching"  # its hits below DRAM are being read into DRAM while it waits in the queue
-    PLANNED = "planned"  # the scheduler reached it and chose what to load; waiting for its blocks
     LOADING = "loading"  # the load job went to the workers (sync: this step; async: until they report it)
     DONE = "done"  # loaded; computes the rest itself
     RECOMPUTED = "recomputed"  # nothing (more) to load: computes its whole prompt
     FINISHED = "finished"  # vLLM finished it; forgotten
 
 
-_HOLDING = frozenset({Phase.ARRIVED, Phase.PREFETCHING, Phase.PLANNED, Phase.LOADING})
+_HOLDING = frozenset({Phase.ARRIVED, Phase.PREFETCHING, Phase.LOADING})
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """The load-or-recompute rule's answer for one request (`SchedulerSide._weigh`)."""
+
+    load_chunks: int  # the leading chunks worth loading
+    skipped_slower: int = 0  # chunks after them recomputed because reading them is slower
+    weighed: bool = False  # False: load_policy always loads the whole hit without weighing it
 
 
 @dataclass(frozen=True)
 class _Plan:
-    """What reaching the request decided: load chunks [first, load) (chunks < first are on the engine)."""
+    """What reaching the request decided (`SchedulerSide._decide`), kept until vLLM admits the request
+    (`update_state_after_alloc`). When it ``loads``, chunks [first, load) are loaded (chunks < first are on the
+    engine already); else the request recomputes. The fields after ``tiers`` are what the decision implies
+    beyond vLLM's answer, done once vLLM admits the request (`SchedulerSide._commit`)."""
 
     first: int
     load: int
-    is_async: bool
-    below_dram: int  # chunks of [first, load) below DRAM on some rank
+    is_async: bool = False
+    below_dram: int = 0  # chunks of [first, load) below DRAM on some rank
     tiers: tuple[str, ...] = ()  # each chunk of [0, load)'s tier when planned (vLLM's hit-source split)
+    hit: _Hit | None = None  # the lookup it was decided on (None: nothing to look up)
+    first_reach: bool = False  # the scheduler reached the request for the first time: count the reach
+    weighed: bool = False  # the rule weighed the hit: chunks [load, hit) are recomputed, their reads dropped
+    skipped_slower: int = 0  # ... this many of them because reading them is slower (a disk probe may follow)
+    finished_in_step: bool = False  # load_mode auto finishes its reads inside the step
+
+    @property
+    def loads(self) -> bool:
+        return self.load > self.first
 
 
 @dataclass(frozen=True)
@@ -120,12 +145,12 @@ class _Req:
     phase: Phase = Phase.ARRIVED
     keys: list[list[bytes]] = field(default_factory=list)  # keys[rank][i]
     prefetch: ReadHandle | None = None  # reads into DRAM (from arrival, or from reaching it, prefetch off)
-    plan: _Plan | None = None  # PLANNED: what to load once blocks are allocated
+    plan: _Plan | None = None  # reached: the plan vLLM was answered, until it admits the request on it
     load: LoadJob | None = None  # LOADING, async: the job the workers have
     load_settled: bool = False  # ... and whether they were told its reads are over
     holds: set[bytes] = field(default_factory=set)  # chunks pinned in DRAM for it (`DramHolds`)
     hit_tokens: dict[str, int] = field(default_factory=dict)  # the last load's tokens per tier
-    skipped_slower: int = 0
+    skipped_slower: int = 0  # chunks counted as recomputed because reading them was slower (each once)
     step_reads: int = 0  # chunks its in-step (sync) load reads from below DRAM, none of them in flight already
     saved_chunks: int = 0  # leading chunks known to be in the store (loaded, present or saved)
     saves_inflight: set[int] = field(default_factory=set)
@@ -323,8 +348,18 @@ class SchedulerSide:
         )
         return n * self.chunk_bytes + in_step
 
-    # ---- reaching the request -------------------------------------------------------------------------------
+    # ---- reaching the request: decide (no effects), then commit once vLLM admits it --------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """vLLM reached the waiting request: how many of its next tokens will be loaded, and whether
+        asynchronously. The answer is a `_Plan` (`_decide`) and has no effect on the store or the counters:
+        vLLM may ask again before it admits the request (it skips one whose blocks do not fit, or that waits
+        for something else, and asks again next step), and it hands the decision back only once the blocks are
+        allocated (`update_state_after_alloc`), which is where the plan is carried out (`_commit`).
+
+        One effect stays here, by necessity: joining a save in flight (`_joins_save`). Its answer, None, makes
+        vLLM skip the request without calling back, so the wait's deadline (and its count) is set the first
+        time vLLM asks; every later ask is measured against it.
+        """
         st = self._state(request)
         st.plan = None
         if self.settings.load_policy == "never":
@@ -334,17 +369,14 @@ class SchedulerSide:
         hit = self._lookup(st, n) if n else None
         if hit is not None and self._joins_save(st, hit, n):
             return None, False  # vLLM asks again next step
-        plan = self._reach(st, hit, num_computed_tokens)
+        plan = st.plan = self._decide(st, hit, num_computed_tokens)
         if self.timeline:
             self.timeline.event("reached", st.req_id, phase=str(st.phase), computed=num_computed_tokens,
-                          plan=None if plan is None else [plan.first, plan.load, plan.is_async, plan.below_dram],
-                          skipped=st.skipped_slower, disk_bps=self.cost.disk_bps.value,
-                          tps=self.cost.prefill_tps.value, outstanding=self.disk_meter.outstanding)  # fmt: skip
-        if plan is None:
-            self.holds.set_phase(st, Phase.RECOMPUTED)
+                                plan=[plan.first, plan.load, plan.is_async, plan.below_dram] if plan.loads else None,
+                                skipped=plan.skipped_slower, disk_bps=self.cost.disk_bps.value,
+                                tps=self.cost.prefill_tps.value, outstanding=self.disk_meter.outstanding)  # fmt: skip
+        if not plan.loads:
             return 0, False
-        st.plan = plan
-        self.holds.set_phase(st, Phase.PLANNED)
         return plan.load * self.chunk_tokens - num_computed_tokens, plan.is_async
 
     def _joins_save(self, st: _Req, hit: _Hit, n: int) -> bool:
@@ -369,68 +401,80 @@ class SchedulerSide:
         recompute_s = chunks * self.chunk_tokens / tps if tps else JOIN_WAIT_PRIOR_S
         return min(recompute_s, self.settings.store.io.join_timeout_s)
 
-    def _reach(self, st: _Req, hit: _Hit | None, num_computed_tokens: int) -> _Plan | None:
-        """The scheduler reached the request: what to load (None: nothing, it recomputes)."""
-        if hit is None:
-            return None
+    def _decide(self, st: _Req, hit: _Hit | None, num_computed_tokens: int) -> _Plan:
+        """What to load now that the scheduler reached the request (`_Plan.loads` False: it recomputes).
+        Reads the store's state and the cost model; changes neither."""
         first = num_computed_tokens // self.chunk_tokens  # chunks fully on the engine already
-        if st.phase in (Phase.ARRIVED, Phase.PREFETCHING):  # reached for the first time
-            self._count_reach(st, hit)
-        if hit.num_chunks * self.chunk_tokens <= num_computed_tokens:
-            return None
+        if hit is None:
+            return _Plan(first, 0)
+        first_reach = st.phase in (Phase.ARRIVED, Phase.PREFETCHING)
+        if hit.num_chunks <= first:
+            return _Plan(first, 0, hit=hit, first_reach=first_reach)
         if hit.below_dram(first, hit.num_chunks):
-            k, is_async = self.serve_late(st, hit, first)
+            rule, is_async = self.serve_late(st, hit, first)
         else:
-            k, is_async = self._chunks_to_load(st, hit, first, async_s=None), False
-        if k * self.chunk_tokens <= num_computed_tokens:
-            return None
-        return _Plan(first, k, is_async, hit.below_dram(first, k), tuple(hit.tier(i) for i in range(k)))
+            rule, is_async = self._weigh(st, hit, first, async_s=None), False
+        k = rule.load_chunks
+        below = hit.below_dram(first, k)
+        in_step = self.settings.load_mode == "auto" and below > 0 and not is_async  # auto chose the step
+        return _Plan(first, k, is_async, below, tuple(hit.tier(i) for i in range(k)), hit, first_reach,
+                     rule.weighed, rule.skipped_slower, in_step)  # fmt: skip
 
-    def serve_late(self, st: _Req, hit: _Hit, first: int) -> tuple[int, bool]:
+    def serve_late(self, st: _Req, hit: _Hit, first: int) -> tuple[_Rule, bool]:
         """What happens to a request whose hit is not all in DRAM when the scheduler reaches it: its prefetch is
         still in flight (late), its chunks were evicted again, or nothing read them yet (prefetch off).
 
-        Returns (chunks to have after the load, parked?). The load-or-recompute rule first weighs the reads
-        still to come (every rank's bytes, behind the reads queued ahead of this request's) against
-        recomputing; reads of chunks it will recompute are dropped. Then the request is either *parked*
-        (asynchronous: vLLM's WAITING_FOR_REMOTE_KVS, the other requests run, the workers copy each chunk as it
-        lands; `update_state_after_alloc` starts the reads if none are in flight) or its remaining reads are
-        *finished inside this step* (synchronous: the workers read them, the whole batch waits).
-        ``load_mode`` decides: ``async`` parks, ``sync`` finishes in the step, and ``auto`` asks the cost model
-        which costs the batch less (`CostModel.finish_in_step`, the queue ahead of its reads included).
+        Returns (the rule's answer: the chunks to have after the load, parked?).
+        The load-or-recompute rule first weighs the reads still to come (every rank's bytes, behind the reads
+        queued ahead of this request's) against recomputing; reads of chunks it will recompute are dropped once
+        vLLM admits the request (`_commit`). Then the request is either *parked* (asynchronous: vLLM's
+        WAITING_FOR_REMOTE_KVS, the other requests run, the workers copy each chunk as it lands;
+        `update_state_after_alloc` starts the reads if none are in flight) or its remaining reads are *finished
+        inside this step* (synchronous: the workers read them, the whole batch waits). ``load_mode`` decides:
+        ``async`` parks, ``sync`` finishes in the step, and ``auto`` asks the cost model which costs the batch
+        less (`CostModel.finish_in_step`, the queue ahead of its reads included).
         """
         mode: LoadMode = self.settings.load_mode
         step_s = self.cost.expected_step_s(self._last_step_tokens)
-        k = self._chunks_to_load(st, hit, first, async_s=None if mode == "sync" else step_s)
-        below = hit.below_dram(first, k)
+        rule = self._weigh(st, hit, first, async_s=None if mode == "sync" else step_s)
+        below = hit.below_dram(first, rule.load_chunks)
         if not below:
-            return k, False
+            return rule, False
         if mode != "auto":
-            return k, mode == "async"
+            return rule, mode == "async"
+        # (the queue as vLLM's ask finds it: this request's own drops and probe wait for it to be admitted)
         remaining = below * self.cost.chunk_bytes + self._queued_disk_bytes(st)  # (cost.chunk_bytes: every rank's)
-        if self.cost.finish_in_step(remaining, len(self._running), step_s):
-            self.counters.inc("finished_in_step")
-            return k, False
-        return k, True
+        return rule, not self.cost.finish_in_step(remaining, len(self._running), step_s)
 
-    def _chunks_to_load(self, st: _Req, hit: _Hit, first: int, async_s: float | None) -> int:
+    def _weigh(self, st: _Req, hit: _Hit, first: int, async_s: float | None) -> _Rule:
         """The load-or-recompute rule (`CostModel.plan`): the leading chunks worth loading."""
-        n_hit = hit.num_chunks
         if self.settings.load_policy == "always":
-            return n_hit
+            return _Rule(hit.num_chunks)
         plan = self.cost.plan(hit.on_disk(), first, self._queued_disk_bytes(st), async_s)
-        # (vLLM asks again each step while the request waits for blocks: count each chunk once)
-        if plan.skipped_slower > st.skipped_slower:
-            self.counters.inc("recomputed_slower_chunks", plan.skipped_slower - st.skipped_slower)
-            st.skipped_slower = plan.skipped_slower
-        k = plan.load_chunks
-        if plan.skipped_slower:
-            self._probe_disk(st, hit, k)
-        if k < n_hit and st.prefetch is not None:  # reads of chunks it will recompute are wasted
-            dropped = st.prefetch.cancel(st.flat_keys(k, n_hit))
-            if dropped:
-                self.counters.inc("prefetch_cancelled_chunks", dropped)
-        return k
+        return _Rule(plan.load_chunks, plan.skipped_slower, weighed=True)
+
+    def _commit(self, st: _Req, plan: _Plan) -> None:
+        """vLLM admitted the request on the plan: what deciding it implies, done once. The first reach is counted
+        (was the prefetch late or in time?); the chunks the rule recomputes because the disk looked slower are
+        counted (each chunk once, however often vLLM asked) and may start a disk probe (`_probe_disk`); reads of
+        every chunk it recomputes are dropped; load_mode auto's choice of the step is counted."""
+        hit = plan.hit
+        if hit is None:
+            return
+        if plan.first_reach:
+            self._count_reach(st, hit)
+        if plan.weighed:
+            if plan.skipped_slower > st.skipped_slower:
+                self.counters.inc("recomputed_slower_chunks", plan.skipped_slower - st.skipped_slower)
+                st.skipped_slower = plan.skipped_slower
+            if plan.skipped_slower:
+                self._probe_disk(st, hit, plan.load)
+            if plan.load < hit.num_chunks and st.prefetch is not None:  # reads of chunks it recomputes are wasted
+                dropped = st.prefetch.cancel(st.flat_keys(plan.load, hit.num_chunks))
+                if dropped:
+                    self.counters.inc("prefetch_cancelled_chunks", dropped)
+        if plan.finished_in_step:
+            self.counters.inc("finished_in_step")
 
     def _probe_disk(self, st: _Req, hit: _Hit, k: int) -> None:
         """The rule recomputes chunks [k, ...) of this hit: if some are on disk and the disk rate is stale, read
@@ -471,13 +515,18 @@ class SchedulerSide:
             self.counters.inc("prefetch_evicted")
 
     def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """vLLM admitted the request: its blocks are allocated. Carry out the plan it was answered
+        (`get_num_new_matched_tokens`): first what deciding it implies (`_commit`), then its load, which vLLM may
+        have declined (``num_external_tokens`` 0: e.g. its own prefix cache covers as much); else it recomputes."""
         st = self._state(request)
         plan, st.plan = st.plan, None
         if plan is None:
-            return
-        if num_external_tokens <= 0:
+            return  # not reached (load_policy never), or vLLM asks nothing of a request it resumes
+        self._commit(st, plan)
+        if not plan.loads or num_external_tokens <= 0:
             self.holds.set_phase(st, Phase.RECOMPUTED)
             return
+        self.holds.set_phase(st, Phase.LOADING)  # (a holding phase: its chunks are held from here on)
         k = plan.load
         start_tok = k * self.chunk_tokens - num_external_tokens  # the engine's own (block-aligned) prefix hit ends here
         first = start_tok // self.chunk_tokens
@@ -508,7 +557,7 @@ class SchedulerSide:
                 self._start_reads(st, st.flat_keys(first, k))
         # (sync mode: the worker reads what is still below DRAM inside the step, joining reads in flight)
         self.timeline.event("alloc", st.req_id, ext=num_external_tokens, chunks=k - first,
-                      in_flight=self._reads_in_flight(st))  # fmt: skip
+                            in_flight=self._reads_in_flight(st))  # fmt: skip
         if plan.is_async:
             job.awaits_prefetch = self._reads_in_flight(st)
             st.load = job
@@ -516,7 +565,6 @@ class SchedulerSide:
         else:
             st.step_reads = 0 if self._reads_in_flight(st) else plan.below_dram
             self._sync_planned.append(st)
-        self.holds.set_phase(st, Phase.LOADING)
         self._new_loads.append(job)
 
     # ---- each step ------------------------------------------------------------------------------------------
