@@ -396,6 +396,12 @@ class Loader(_RankPart):
         return errs
 
     def shutdown(self) -> None:
+        """Stop the async loads first, then join their thread: a load parked on the scheduler's reads waits for
+        the scheduler to report them settled or cancelled, which a scheduler that is shutting down never does
+        (the join waited forever)."""
+        with self._cv:
+            self._cancelled |= self._active
+            self._cv.notify_all()
         self._pool.shutdown(wait=True)
 
 
