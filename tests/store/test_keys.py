@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -63,3 +64,17 @@ def test_keys_are_stable_across_processes():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ChunkKeyer(NS, 16).keys(np.arange(48))[-1].hex()
+
+
+def test_every_rank_has_keys_of_its_own():
+    """Tensor parallelism: each rank stores its own part of a chunk under a key of its own."""
+    toks = list(range(1024))
+    ns = KVNamespace(model="m", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", tp_size=2)
+    keyers = ChunkKeyer(ns, 256).rank_keyers()
+    assert [k.namespace.tp_rank for k in keyers] == [0, 1]
+    k0, k1 = (k.keys(toks) for k in keyers)
+    tp1 = ChunkKeyer(ns.model_copy(update={"tp_size": 1}), 256).keys(toks)
+    assert len(set(k0) | set(k1) | set(tp1)) == 12  # no two ranks, nor TP=1 and TP=2, share a key
+    assert ChunkKeyer(ns.for_rank(1), 256).rank_keyers()[0].keys(toks) == k0  # any rank derives them all
+    with pytest.raises(ValueError, match="tp_rank 2 is not below tp_size 2"):
+        ns.for_rank(2)

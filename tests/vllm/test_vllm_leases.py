@@ -203,5 +203,5 @@ def test_a_turn_waits_for_its_predecessors_save_in_flight_instead_of_recomputing
     r4 = req(list(range(20000, 20700)))
     s.on_new_request(r4)
     assert s.get_num_new_matched_tokens(r4, 0) == (None, False)
-    s.clock.t += s.s.store.io.join_timeout_s + 0.1
+    s.clock.t += s.settings.store.io.join_timeout_s + 0.1
     assert s.get_num_new_matched_tokens(r4, 0) == (0, False)

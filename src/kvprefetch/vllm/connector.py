@@ -19,29 +19,18 @@ import uuid
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from kvprefetch.keys import ChunkKeyer, KVNamespace
-from kvprefetch.vllm.compat import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    block_ids_of,
-    check_version,
-    num_blocks_of,
-    single_attention_group,
-)
-from kvprefetch.vllm.layout import effective_chunk_tokens, geometry_from_spec
+from kvprefetch.vllm.compat import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, block_ids_of
 from kvprefetch.vllm.metadata import KVPrefetchMetadata
 from kvprefetch.vllm.metrics import ConnectorCounters, Reporter
 from kvprefetch.vllm.scheduler import SchedulerSide, WarmCounts
-from kvprefetch.vllm.settings import ConnectorSettings, parse_extra_config
+from kvprefetch.vllm.spec import build_scheduler, build_worker, connector_spec, use_load_failure_policy
 from kvprefetch.vllm.stats import KVPrefetchPromMetrics, KVPrefetchStats, StatsTracker, vllm_hit_sources
-from kvprefetch.vllm.warm_api import WarmServer, engine_handler, socket_name
+from kvprefetch.vllm.store_api import ConnectorStore
+from kvprefetch.vllm.warm_api import WarmServer
 from kvprefetch.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     import torch
-
-    from kvprefetch.store import TieredStore
 
 log = logging.getLogger("kvprefetch.vllm")
 _INSTANCES: weakref.WeakSet[KVPrefetchConnector] = weakref.WeakSet()
@@ -52,130 +41,32 @@ def live_connectors() -> list[KVPrefetchConnector]:
     return list(_INSTANCES)
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def namespace_for(
-    vllm_config: Any, spec: Any, num_layers: int, settings: ConnectorSettings, tp_rank: int = 0
-) -> KVNamespace:
-    """Everything that changes a chunk's bytes: model, layer geometry, dtype, TP size and rank, page layout.
-    (``spec.num_kv_heads`` is one rank's heads; `KVNamespace.for_rank` gives the other ranks'.)"""
-    mc = vllm_config.model_config
-    model_id = settings.model_id or f"{mc.model}@{getattr(mc, 'revision', None) or 'main'}"
-    from vllm.platforms import current_platform
-
-    page_bytes = int(getattr(spec, "real_page_size_bytes", None) or spec.page_size_bytes)
-    layout = f"vllm-page:{current_platform.device_type}:bs{spec.block_size}:page{page_bytes}"
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    dtype = _dtype_name(spec.dtype) if cache_dtype in (None, "auto") else str(cache_dtype)
-    return KVNamespace(
-        model=model_id,
-        num_layers=num_layers,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_size,
-        dtype=dtype,
-        tp_rank=tp_rank,
-        tp_size=vllm_config.parallel_config.tensor_parallel_size,
-        layout=layout,
-        tenant=settings.tenant,
-    )
-
-
-def check_parallelism(parallel_config: Any) -> None:
-    """Tensor parallelism is supported (every rank's chunks are keyed, prefetched and loaded); pipeline
-    parallelism is not (a rank would hold only some layers of a chunk): refuse it by name at start-up."""
-    pp = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
-    if pp > 1:
-        raise NotImplementedError(
-            f"KVPrefetchConnector does not support pipeline parallelism (pipeline_parallel_size={pp}); "
-            "use tensor parallelism (tensor_parallel_size) only"
-        )
-
-
-def open_store(settings: ConnectorSettings, chunk_bytes: int) -> TieredStore:
-    from kvprefetch.store import TieredStore
-
-    config = settings.store
-    if config.dram.pool_name == "default":
-        # One pool per chunk geometry: slots are fixed-size, and another model on this node may differ.
-        dram = config.dram.model_copy(update={"pool_name": f"kvp-vllm-{chunk_bytes}"})
-        config = config.model_copy(update={"dram": dram})
-    return TieredStore(config, chunk_bytes=chunk_bytes)
-
-
 class KVPrefetchConnector(KVConnectorBase_V1):
     """Tiered KV cache with prefetch on arrival, layer-wise loads, async saves and a load-or-recompute rule."""
 
+    # (Set by the half this process builds: the scheduler's are None in a worker, the worker's in the scheduler.)
+    _sched: SchedulerSide | None = None
+    _scheduler_store: ConnectorStore | None = None
+    _warm_server: WarmServer | None = None
+    _worker: WorkerSide | None = None
+    _reporter: Reporter | None = None  # (the worker's starts with its store, in register_kv_caches)
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        check_version()
-        check_parallelism(vllm_config.parallel_config)
+        self.spec = spec = connector_spec(vllm_config, role, kv_cache_config)
         _INSTANCES.add(self)
-        self.settings = parse_extra_config(self._kv_transfer_config.kv_connector_extra_config)
-        # Failure = miss: vLLM's default policy fails the request on a load error; ours recomputes the blocks.
-        # (The scheduler reads the policy after building its connector.)
-        if self._kv_transfer_config.kv_load_failure_policy != self.settings.on_load_failure:
-            object.__setattr__(self._kv_transfer_config, "kv_load_failure_policy", self.settings.on_load_failure)
-        spec, layer_names = single_attention_group(kv_cache_config)
-        self.block_size = spec.block_size
-        chunk_tokens = effective_chunk_tokens(self.settings.store.chunk_tokens, spec.block_size)
-        if chunk_tokens != self.settings.store.chunk_tokens:
-            log.warning(
-                "kvprefetch: chunk_tokens %d is not a multiple of vLLM's block size %d; using %d",
-                self.settings.store.chunk_tokens, spec.block_size, chunk_tokens,
-            )
-        self.geo = geometry_from_spec(spec, len(layer_names), chunk_tokens)  # one rank's part of a chunk
-        is_scheduler = role == KVConnectorRole.SCHEDULER
-        tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
-        self.rank = 0 if is_scheduler or tp_size == 1 else _tp_rank()
-        self.namespace = namespace_for(vllm_config, spec, len(layer_names), self.settings, self.rank)
-        self.keyer = ChunkKeyer(self.namespace, chunk_tokens)
-        self.counters = ConnectorCounters("scheduler" if is_scheduler else "worker")
-        self._sched: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
-        self._reporter: Reporter | None = None
+        use_load_failure_policy(self._kv_transfer_config, spec.settings)
+        self.settings, self.geo, self.namespace, self.keyer = spec.settings, spec.geo, spec.namespace, spec.keyer
+        self.block_size, self.rank = spec.block_size, spec.rank
+        self.counters = ConnectorCounters("scheduler" if spec.is_scheduler else "worker")
         self._vllm_stats = StatsTracker(self.counters, lambda: self.store.io.stats.totals())
         self._closed_store = False
-        self._warm_server: WarmServer | None = None
-        if is_scheduler:
-            store = open_store(self.settings, self.geo.chunk_bytes)
-            self._sched = SchedulerSide(
-                self.settings,
-                self.keyer,
-                store,
-                block_size=self.block_size,
-                blocks_per_chunk=self.geo.blocks_per_chunk,
-                chunk_bytes=self.geo.chunk_bytes,
-                counters=self.counters,
-                get_block_ids=self._block_ids,
-            )
-            self._reporter = Reporter(
-                self.counters, store.stats, interval_s=self.settings.log_interval_s,
-                metrics_dir=self.settings.metrics_dir, metrics_port=self.settings.metrics_port, serve=True,
-            )
-            self._warm_server = _start_warm_server(self._kv_transfer_config.engine_id, self._sched)
-            log.info(
-                "kvprefetch: scheduler side up (chunk %d tokens = %d B per rank x %d ranks, prefetch %s, "
-                "load_mode %s, namespace %s)",
-                chunk_tokens, self.geo.chunk_bytes, self.namespace.tp_size, "on" if self.settings.prefetch else "off",
-                self.settings.load_mode, self.namespace.short_id,
+        if spec.is_scheduler:
+            self._sched, self._scheduler_store, self._reporter, self._warm_server = build_scheduler(
+                spec, self.counters, self._block_ids
             )
         else:
-            expected = self.geo.chunk_bytes
-
-            def _open(chunk_bytes: int) -> TieredStore:
-                if chunk_bytes != expected:
-                    raise RuntimeError(
-                        f"kvprefetch: worker chunk size {chunk_bytes} B != scheduler's {expected} B "
-                        "(unexpected KV page layout)"
-                    )
-                return open_store(self.settings, chunk_bytes)
-
-            self._worker = WorkerSide(
-                self.rank, layer_names, num_blocks_of(kv_cache_config), self.block_size, chunk_tokens, _open,
-                self.counters, layerwise=self.settings.layerwise,
-            )
+            self._worker = build_worker(spec, self.counters, kv_cache_config)
 
     # ---- helpers --------------------------------------------------------------------------------------------
     def _block_ids(self, req_id: str) -> list[int]:
@@ -312,10 +203,9 @@ class KVPrefetchConnector(KVConnectorBase_V1):
         return self._sched is not None
 
     @property
-    def store(self) -> TieredStore | None:
-        if self._sched is not None:
-            return self._sched.store
-        return self._worker.store if self._worker is not None else None
+    def store(self) -> ConnectorStore | None:
+        """The store this half opened (the worker's opens with its KV caches, `register_kv_caches`)."""
+        return self._worker.store if self._worker is not None else self._scheduler_store
 
     def stats(self) -> dict[str, Any]:
         return self.counters.snapshot()
@@ -356,20 +246,3 @@ class KVPrefetchConnector(KVConnectorBase_V1):
     def wait_for_prefetches(self, timeout: float) -> bool:
         """(Scheduler side) Wait until every known request's reads into DRAM have finished; False on timeout."""
         return self._sched.wait_for_reads(timeout) if self._sched is not None else True
-
-
-def _start_warm_server(engine_id: str | None, sched: SchedulerSide) -> WarmServer | None:
-    """The warm-up API's engine side (`warm_api`), on a unix socket named after vLLM's engine id."""
-    if not engine_id:
-        return None
-    try:
-        return WarmServer(socket_name(engine_id), engine_handler(sched), sched.leases.expire)
-    except OSError as err:  # another engine with this id on the node (DP ranks share one id): no warm-up here
-        log.warning("kvprefetch: warm-up API not served by this engine (%s)", err)
-        return None
-
-
-def _tp_rank() -> int:
-    from vllm.distributed import get_tensor_model_parallel_rank
-
-    return int(get_tensor_model_parallel_rank())

@@ -29,10 +29,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kvprefetch.store import PrefetchHandle, TieredStore
+from kvprefetch.vllm.store_api import ReadHandle, SchedulerStore
 
 
 @dataclass
@@ -43,7 +41,7 @@ class Lease:
     granted_at: float
     expires_at: float
     pinned: set[bytes] = field(default_factory=set)
-    reads: PrefetchHandle | None = None  # a warm-up's reads into DRAM
+    reads: ReadHandle | None = None  # a warm-up's reads into DRAM
 
     def remaining_s(self, now: float) -> float:
         return max(0.0, self.expires_at - now)
@@ -54,7 +52,7 @@ class Leases:
 
     def __init__(
         self,
-        store: TieredStore,
+        store: SchedulerStore,
         budget: int,
         count: Callable[[str, int], None] = lambda _name, _n: None,
         clock: Callable[[], float] = time.monotonic,

@@ -8,22 +8,27 @@ The life of a request is a small state machine (`Phase`)::
 
     ARRIVED ──disk hits, prefetch on──> PREFETCHING          (on_new_request: reads start while it queues)
        │                                     │
-       └──────── the scheduler reaches it ───┘               (get_num_new_matched_tokens -> `_reach`)
+       └──────── the scheduler reaches it ───┘               (get_num_new_matched_tokens -> `_decide`: a plan)
                          │
+                  vLLM admits it                             (update_state_after_alloc -> `_commit`: the plan
+                         │                                    takes effect)
             nothing worth loading ──> RECOMPUTED             (miss, or the load-or-recompute rule says so)
                          │
-                      PLANNED ──blocks allocated──> LOADING  (update_state_after_alloc: the job goes to the workers)
-                                                       │
-                          sync: the step ran / async: the workers report it finished
-                                                       │
-                                                     DONE
+                      LOADING                                (the job goes to the workers)
+                         │
+          sync: the step ran / async: the workers report it finished
+                         │
+                       DONE
 
     any phase ──request finished──> FINISHED   (prefetch reads cancelled, an async load told to stop)
 
-A request that vLLM asks about again (no blocks yet, or preempted and back) goes through `_reach` again from
-PLANNED, DONE or RECOMPUTED. While a request is ARRIVED, PREFETCHING, PLANNED or LOADING its chunks that are in
-DRAM are *held* there (`DramHolds`: one pin per chunk and request, one budget: half the DRAM tier), so that the
-requests ahead of it and their saves do not evict them before it is served; leaving those phases releases them.
+Reaching a request only decides (`_Plan`); nothing changes until vLLM admits the request on that plan. vLLM may
+ask again first (it skips a request whose blocks do not fit, and asks again next step), and a request preempted
+and back is asked again from DONE or RECOMPUTED: each ask decides afresh, and only the plan vLLM admits the
+request on takes effect (its phase, its load, the reads it drops, the counts). While a request is ARRIVED,
+PREFETCHING or LOADING its chunks that are in DRAM are *held* there (`DramHolds`: one pin per chunk and request,
+one budget: half the DRAM tier), so that the requests ahead of it and their saves do not evict them before it is
+served; leaving those phases releases them.
 
 What happens when the scheduler reaches a request whose chunks are not all in DRAM (its prefetch is late, was
 evicted, or never ran) is decided in one place: `SchedulerSide.serve_late`. A step with nothing to run while
@@ -42,7 +47,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvprefetch.keys import ChunkKeyer
 from kvprefetch.tiers.chunk_format import image_bytes
@@ -51,10 +56,8 @@ from kvprefetch.vllm.leases import Lease, Leases
 from kvprefetch.vllm.metadata import KVPrefetchMetadata, KVPrefetchWorkerMeta, LoadJob, SaveJob
 from kvprefetch.vllm.metrics import ConnectorCounters, RankCounters, hit_counter
 from kvprefetch.vllm.settings import ConnectorSettings, LoadMode
+from kvprefetch.vllm.store_api import ReadHandle, SchedulerStore
 from kvprefetch.vllm.timeline import timeline
-
-if TYPE_CHECKING:
-    from kvprefetch.store import PrefetchHandle, TieredStore
 
 _DRAM = "dram"  # `Tier.DRAM`'s value (a StrEnum: equal to it), without importing the store here
 PROBE_CHUNKS = 4  # chunks a disk probe reads: the disk meter's sample (`TierMeter.sample_ops`)
@@ -67,32 +70,52 @@ PARKED_WAIT_S = 0.05
 class Phase(StrEnum):
     ARRIVED = "arrived"  # keyed; nothing of it is being read
     PREFETCHING = "prefetching"  # its hits below DRAM are being read into DRAM while it waits in the queue
-    PLANNED = "planned"  # the scheduler reached it and chose what to load; waiting for its blocks
     LOADING = "loading"  # the load job went to the workers (sync: this step; async: until they report it)
     DONE = "done"  # loaded; computes the rest itself
     RECOMPUTED = "recomputed"  # nothing (more) to load: computes its whole prompt
     FINISHED = "finished"  # vLLM finished it; forgotten
 
 
-_HOLDING = frozenset({Phase.ARRIVED, Phase.PREFETCHING, Phase.PLANNED, Phase.LOADING})
+_HOLDING = frozenset({Phase.ARRIVED, Phase.PREFETCHING, Phase.LOADING})
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """The load-or-recompute rule's answer for one request (`SchedulerSide._weigh`)."""
+
+    load_chunks: int  # the leading chunks worth loading
+    skipped_slower: int = 0  # chunks after them recomputed because reading them is slower
+    weighed: bool = False  # False: load_policy always loads the whole hit without weighing it
 
 
 @dataclass(frozen=True)
 class _Plan:
-    """What reaching the request decided: load chunks [first, load) (chunks < first are on the engine)."""
+    """What reaching the request decided (`SchedulerSide._decide`), kept until vLLM admits the request
+    (`update_state_after_alloc`). When it ``loads``, chunks [first, load) are loaded (chunks < first are on the
+    engine already); else the request recomputes. The fields after ``tiers`` are what the decision implies
+    beyond vLLM's answer, done once vLLM admits the request (`SchedulerSide._commit`)."""
 
     first: int
     load: int
-    is_async: bool
-    below_dram: int  # chunks of [first, load) below DRAM on some rank
+    is_async: bool = False
+    below_dram: int = 0  # chunks of [first, load) below DRAM on some rank
     tiers: tuple[str, ...] = ()  # each chunk of [0, load)'s tier when planned (vLLM's hit-source split)
+    hit: _Hit | None = None  # the lookup it was decided on (None: nothing to look up)
+    first_reach: bool = False  # the scheduler reached the request for the first time: count the reach
+    weighed: bool = False  # the rule weighed the hit: chunks [load, hit) are recomputed, their reads dropped
+    skipped_slower: int = 0  # ... this many of them because reading them is slower (a disk probe may follow)
+    finished_in_step: bool = False  # load_mode auto finishes its reads inside the step
+
+    @property
+    def loads(self) -> bool:
+        return self.load > self.first
 
 
 @dataclass(frozen=True)
 class _Hit:
     """A lookup across every rank: chunk i is a hit only if every rank has it."""
 
-    tiers: list[list[Any]]  # tiers[rank][i] for the leading hit chunks (same length on every rank)
+    tiers: list[Sequence[str]]  # tiers[rank][i] for the leading hit chunks (same length on every rank)
 
     @property
     def num_chunks(self) -> int:
@@ -121,13 +144,13 @@ class _Req:
     arrival_seq: int
     phase: Phase = Phase.ARRIVED
     keys: list[list[bytes]] = field(default_factory=list)  # keys[rank][i]
-    prefetch: PrefetchHandle | None = None  # reads into DRAM (from arrival, or from reaching it, prefetch off)
-    plan: _Plan | None = None  # PLANNED: what to load once blocks are allocated
+    prefetch: ReadHandle | None = None  # reads into DRAM (from arrival, or from reaching it, prefetch off)
+    plan: _Plan | None = None  # reached: the plan vLLM was answered, until it admits the request on it
     load: LoadJob | None = None  # LOADING, async: the job the workers have
     load_settled: bool = False  # ... and whether they were told its reads are over
     holds: set[bytes] = field(default_factory=set)  # chunks pinned in DRAM for it (`DramHolds`)
     hit_tokens: dict[str, int] = field(default_factory=dict)  # the last load's tokens per tier
-    skipped_slower: int = 0
+    skipped_slower: int = 0  # chunks counted as recomputed because reading them was slower (each once)
     step_reads: int = 0  # chunks its in-step (sync) load reads from below DRAM, none of them in flight already
     saved_chunks: int = 0  # leading chunks known to be in the store (loaded, present or saved)
     saves_inflight: set[int] = field(default_factory=set)
@@ -144,14 +167,14 @@ class _Req:
 class DramHolds:
     """The one way the scheduler keeps chunks in DRAM for a request until it is served, under one budget.
 
-    A held chunk is pinned once per request (`TieredStore.pin`, released by `unpin`); at most ``budget`` chunks
+    A held chunk is pinned once per request (`SchedulerStore.pin`, released by `unpin`); at most ``budget`` chunks
     are held at once (half the DRAM tier: holding more would leave no room for the reads and saves themselves).
     Holds are taken as prefetched chunks land (on an I/O thread) and when a load is planned, only while the
     request is in a holding phase; `set_phase` leaves those phases and drops the holds atomically with respect
     to a landing chunk.
     """
 
-    def __init__(self, store: TieredStore, budget: int):
+    def __init__(self, store: SchedulerStore, budget: int):
         self.store = store
         self.budget = budget
         self.held = 0
@@ -184,7 +207,7 @@ class SchedulerSide:
         self,
         settings: ConnectorSettings,
         keyer: ChunkKeyer,
-        store: TieredStore,
+        store: SchedulerStore,
         block_size: int,
         blocks_per_chunk: int,
         chunk_bytes: int,
@@ -194,13 +217,13 @@ class SchedulerSide:
     ):
         """``keyer``: any rank's keyer (every rank's is derived from it); ``chunk_bytes``: one rank's part of a
         chunk (what one key holds)."""
-        self.s = settings
+        self.settings = settings
         self.keyers = keyer.rank_keyers()
         self.tp_size = len(self.keyers)
         self.store = store
         self.block_size = block_size
-        self.bpc = blocks_per_chunk
-        self.C = keyer.chunk_tokens
+        self.blocks_per_chunk = blocks_per_chunk
+        self.chunk_tokens = keyer.chunk_tokens
         self.chunk_bytes = chunk_bytes
         self.counters = counters
         self.rank_counters = RankCounters(self.tp_size)
@@ -209,7 +232,7 @@ class SchedulerSide:
         # The rule weighs a whole chunk: every rank's part comes up through the same disk.
         self.cost = CostModel(
             chunk_bytes * self.tp_size,
-            self.C,
+            self.chunk_tokens,
             disk_bps=settings.disk_bps_prior or float(settings.store.io.read_rate_limit_bps or 1e9),
             prefill_tps=settings.prefill_tps_prior,
             margin=settings.load_margin,
@@ -240,14 +263,14 @@ class SchedulerSide:
         self._save_keys: dict[int, list[bytes]] = {}  # save job id -> its keys (every rank's)
         self._landed = threading.Condition()  # notified as each read of `_start_reads` lands (`_wait_parked`)
         self._landings = 0
-        self.tl = timeline()
+        self.timeline = timeline()
 
     # ---- keys and lookup ------------------------------------------------------------------------------------
     def _keys(self, st: _Req, num_tokens: int) -> int:
         """Key the request's whole chunks in num_tokens (for every rank); return how many there are."""
-        n = num_tokens // self.C
+        n = num_tokens // self.chunk_tokens
         if not st.keys or len(st.keys[0]) < n:
-            tokens = list(st.request.all_token_ids[: n * self.C])
+            tokens = list(st.request.all_token_ids[: n * self.chunk_tokens])
             st.keys = [k.keys(tokens) for k in self.keyers]
         return n
 
@@ -271,13 +294,13 @@ class SchedulerSide:
     def on_new_request(self, request: Any) -> None:
         st = self._state(request)
         self.leases.expire()
-        if not self.s.prefetch or self.s.load_policy == "never":
+        if not self.settings.prefetch or self.settings.load_policy == "never":
             return
         n = self._keys(st, len(request.prompt_token_ids or ()))
         if not n:
             return
         hit = self._lookup(st, n)
-        self.tl.event("arrived", st.req_id, hit=hit.num_chunks, below=hit.below_dram(0, hit.num_chunks))
+        self.timeline.event("arrived", st.req_id, hit=hit.num_chunks, below=hit.below_dram(0, hit.num_chunks))
         # What is in DRAM already is held there too, or the requests ahead of it may evict it before it is served.
         m = hit.num_chunks
         self.holds.hold(st, [st.keys[r][i] for r in range(self.tp_size) for i in range(m) if hit.tiers[r][i] == _DRAM])
@@ -293,11 +316,11 @@ class SchedulerSide:
         handle = st.prefetch = self.store.prefetch(keys)
         self.counters.inc("prefetched_chunks", handle.num_reads)
         self.disk_meter.started(handle.num_reads)
-        self.tl.event("reads", st.req_id, n=handle.num_reads, queued=self.disk_meter.outstanding)
+        self.timeline.event("reads", st.req_id, n=handle.num_reads, queued=self.disk_meter.outstanding)
 
         def landed(key: bytes, ok: bool) -> None:  # (I/O thread)
             self.disk_meter.completed(ok, self.chunk_bytes)
-            self.tl.event("landed", st.req_id, ok=ok, left=handle.pending())
+            self.timeline.event("landed", st.req_id, ok=ok, left=handle.pending())
             if ok:
                 self.holds.hold(st, [key])
             with self._landed:
@@ -325,29 +348,36 @@ class SchedulerSide:
         )
         return n * self.chunk_bytes + in_step
 
-    # ---- reaching the request -------------------------------------------------------------------------------
+    # ---- reaching the request: decide (no effects), then commit once vLLM admits it --------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """vLLM reached the waiting request: how many of its next tokens will be loaded, and whether
+        asynchronously. The answer is a `_Plan` (`_decide`) and has no effect on the store or the counters:
+        vLLM may ask again before it admits the request (it skips one whose blocks do not fit, or that waits
+        for something else, and asks again next step), and it hands the decision back only once the blocks are
+        allocated (`update_state_after_alloc`), which is where the plan is carried out (`_commit`).
+
+        One effect stays here, by necessity: joining a save in flight (`_joins_save`). Its answer, None, makes
+        vLLM skip the request without calling back, so the wait's deadline (and its count) is set the first
+        time vLLM asks; every later ask is measured against it.
+        """
         st = self._state(request)
         st.plan = None
-        if self.s.load_policy == "never":
+        if self.settings.load_policy == "never":
             return 0, False
         # At least one token must be computed to produce logits: never hit the whole sequence.
         n = self._keys(st, max(st.request.num_tokens - 1, 0))
         hit = self._lookup(st, n) if n else None
         if hit is not None and self._joins_save(st, hit, n):
             return None, False  # vLLM asks again next step
-        plan = self._reach(st, hit, num_computed_tokens)
-        if self.tl:
-            self.tl.event("reached", st.req_id, phase=str(st.phase), computed=num_computed_tokens,
-                          plan=None if plan is None else [plan.first, plan.load, plan.is_async, plan.below_dram],
-                          skipped=st.skipped_slower, disk_bps=self.cost.disk_bps.value,
-                          tps=self.cost.prefill_tps.value, outstanding=self.disk_meter.outstanding)  # fmt: skip
-        if plan is None:
-            self.holds.set_phase(st, Phase.RECOMPUTED)
+        plan = st.plan = self._decide(st, hit, num_computed_tokens)
+        if self.timeline:
+            self.timeline.event("reached", st.req_id, phase=str(st.phase), computed=num_computed_tokens,
+                                plan=[plan.first, plan.load, plan.is_async, plan.below_dram] if plan.loads else None,
+                                skipped=plan.skipped_slower, disk_bps=self.cost.disk_bps.value,
+                                tps=self.cost.prefill_tps.value, outstanding=self.disk_meter.outstanding)  # fmt: skip
+        if not plan.loads:
             return 0, False
-        st.plan = plan
-        self.holds.set_phase(st, Phase.PLANNED)
-        return plan.load * self.C - num_computed_tokens, plan.is_async
+        return plan.load * self.chunk_tokens - num_computed_tokens, plan.is_async
 
     def _joins_save(self, st: _Req, hit: _Hit, n: int) -> bool:
         """Turn N+1 never misses turn N's save: when the chunk right after the request's hit is still being
@@ -368,75 +398,87 @@ class SchedulerSide:
 
     def _join_wait_s(self, chunks: int) -> float:
         tps = self.cost.prefill_tps.value
-        recompute_s = chunks * self.C / tps if tps else JOIN_WAIT_PRIOR_S
-        return min(recompute_s, self.s.store.io.join_timeout_s)
+        recompute_s = chunks * self.chunk_tokens / tps if tps else JOIN_WAIT_PRIOR_S
+        return min(recompute_s, self.settings.store.io.join_timeout_s)
 
-    def _reach(self, st: _Req, hit: _Hit | None, num_computed_tokens: int) -> _Plan | None:
-        """The scheduler reached the request: what to load (None: nothing, it recomputes)."""
+    def _decide(self, st: _Req, hit: _Hit | None, num_computed_tokens: int) -> _Plan:
+        """What to load now that the scheduler reached the request (`_Plan.loads` False: it recomputes).
+        Reads the store's state and the cost model; changes neither."""
+        first = num_computed_tokens // self.chunk_tokens  # chunks fully on the engine already
         if hit is None:
-            return None
-        first = num_computed_tokens // self.C  # chunks fully on the engine already
-        if st.phase in (Phase.ARRIVED, Phase.PREFETCHING):  # reached for the first time
-            self._count_reach(st, hit)
-        if hit.num_chunks * self.C <= num_computed_tokens:
-            return None
+            return _Plan(first, 0)
+        first_reach = st.phase in (Phase.ARRIVED, Phase.PREFETCHING)
+        if hit.num_chunks <= first:
+            return _Plan(first, 0, hit=hit, first_reach=first_reach)
         if hit.below_dram(first, hit.num_chunks):
-            k, is_async = self.serve_late(st, hit, first)
+            rule, is_async = self.serve_late(st, hit, first)
         else:
-            k, is_async = self._chunks_to_load(st, hit, first, async_s=None), False
-        if k * self.C <= num_computed_tokens:
-            return None
-        return _Plan(first, k, is_async, hit.below_dram(first, k), tuple(hit.tier(i) for i in range(k)))
+            rule, is_async = self._weigh(st, hit, first, async_s=None), False
+        k = rule.load_chunks
+        below = hit.below_dram(first, k)
+        in_step = self.settings.load_mode == "auto" and below > 0 and not is_async  # auto chose the step
+        return _Plan(first, k, is_async, below, tuple(hit.tier(i) for i in range(k)), hit, first_reach,
+                     rule.weighed, rule.skipped_slower, in_step)  # fmt: skip
 
-    def serve_late(self, st: _Req, hit: _Hit, first: int) -> tuple[int, bool]:
+    def serve_late(self, st: _Req, hit: _Hit, first: int) -> tuple[_Rule, bool]:
         """What happens to a request whose hit is not all in DRAM when the scheduler reaches it: its prefetch is
         still in flight (late), its chunks were evicted again, or nothing read them yet (prefetch off).
 
-        Returns (chunks to have after the load, parked?). The load-or-recompute rule first weighs the reads
-        still to come (every rank's bytes, behind the reads queued ahead of this request's) against
-        recomputing; reads of chunks it will recompute are dropped. Then the request is either *parked*
-        (asynchronous: vLLM's WAITING_FOR_REMOTE_KVS, the other requests run, the workers copy each chunk as it
-        lands; `update_state_after_alloc` starts the reads if none are in flight) or its remaining reads are
-        *finished inside this step* (synchronous: the workers read them, the whole batch waits).
-        ``load_mode`` decides: ``async`` parks, ``sync`` finishes in the step, and ``auto`` asks the cost model
-        which costs the batch less (`CostModel.finish_in_step`, the queue ahead of its reads included).
+        Returns (the rule's answer: the chunks to have after the load, parked?).
+        The load-or-recompute rule first weighs the reads still to come (every rank's bytes, behind the reads
+        queued ahead of this request's) against recomputing; reads of chunks it will recompute are dropped once
+        vLLM admits the request (`_commit`). Then the request is either *parked* (asynchronous: vLLM's
+        WAITING_FOR_REMOTE_KVS, the other requests run, the workers copy each chunk as it lands;
+        `update_state_after_alloc` starts the reads if none are in flight) or its remaining reads are *finished
+        inside this step* (synchronous: the workers read them, the whole batch waits). ``load_mode`` decides:
+        ``async`` parks, ``sync`` finishes in the step, and ``auto`` asks the cost model which costs the batch
+        less (`CostModel.finish_in_step`, the queue ahead of its reads included).
         """
-        mode: LoadMode = self.s.load_mode
+        mode: LoadMode = self.settings.load_mode
         step_s = self.cost.expected_step_s(self._last_step_tokens)
-        k = self._chunks_to_load(st, hit, first, async_s=None if mode == "sync" else step_s)
-        below = hit.below_dram(first, k)
+        rule = self._weigh(st, hit, first, async_s=None if mode == "sync" else step_s)
+        below = hit.below_dram(first, rule.load_chunks)
         if not below:
-            return k, False
+            return rule, False
         if mode != "auto":
-            return k, mode == "async"
+            return rule, mode == "async"
+        # (the queue as vLLM's ask finds it: this request's own drops and probe wait for it to be admitted)
         remaining = below * self.cost.chunk_bytes + self._queued_disk_bytes(st)  # (cost.chunk_bytes: every rank's)
-        if self.cost.finish_in_step(remaining, len(self._running), step_s):
-            self.counters.inc("finished_in_step")
-            return k, False
-        return k, True
+        return rule, not self.cost.finish_in_step(remaining, len(self._running), step_s)
 
-    def _chunks_to_load(self, st: _Req, hit: _Hit, first: int, async_s: float | None) -> int:
+    def _weigh(self, st: _Req, hit: _Hit, first: int, async_s: float | None) -> _Rule:
         """The load-or-recompute rule (`CostModel.plan`): the leading chunks worth loading."""
-        n_hit = hit.num_chunks
-        if self.s.load_policy == "always":
-            return n_hit
+        if self.settings.load_policy == "always":
+            return _Rule(hit.num_chunks)
         plan = self.cost.plan(hit.on_disk(), first, self._queued_disk_bytes(st), async_s)
-        # (vLLM asks again each step while the request waits for blocks: count each chunk once)
-        if plan.skipped_slower > st.skipped_slower:
-            self.counters.inc("recomputed_slower_chunks", plan.skipped_slower - st.skipped_slower)
-            st.skipped_slower = plan.skipped_slower
-        k = plan.load_chunks
-        if plan.skipped_slower:
-            self._probe_disk(st, hit, k)
-        if k < n_hit and st.prefetch is not None:  # reads of chunks it will recompute are wasted
-            dropped = st.prefetch.cancel(st.flat_keys(k, n_hit))
-            if dropped:
-                self.counters.inc("prefetch_cancelled_chunks", dropped)
-        return k
+        return _Rule(plan.load_chunks, plan.skipped_slower, weighed=True)
+
+    def _commit(self, st: _Req, plan: _Plan) -> None:
+        """vLLM admitted the request on the plan: what deciding it implies, done once. The first reach is counted
+        (was the prefetch late or in time?); the chunks the rule recomputes because the disk looked slower are
+        counted (each chunk once, however often vLLM asked) and may start a disk probe (`_probe_disk`); reads of
+        every chunk it recomputes are dropped; load_mode auto's choice of the step is counted."""
+        hit = plan.hit
+        if hit is None:
+            return
+        if plan.first_reach:
+            self._count_reach(st, hit)
+        if plan.weighed:
+            if plan.skipped_slower > st.skipped_slower:
+                self.counters.inc("recomputed_slower_chunks", plan.skipped_slower - st.skipped_slower)
+                st.skipped_slower = plan.skipped_slower
+            if plan.skipped_slower:
+                self._probe_disk(st, hit, plan.load)
+            if plan.load < hit.num_chunks and st.prefetch is not None:  # reads of chunks it recomputes are wasted
+                dropped = st.prefetch.cancel(st.flat_keys(plan.load, hit.num_chunks))
+                if dropped:
+                    self.counters.inc("prefetch_cancelled_chunks", dropped)
+        if plan.finished_in_step:
+            self.counters.inc("finished_in_step")
 
     def _probe_disk(self, st: _Req, hit: _Hit, k: int) -> None:
         """The rule recomputes chunks [k, ...) of this hit: if some are on disk and the disk rate is stale, read
-        the first `PROBE_CHUNKS` of them in the background (`TieredStore.measure_reads`: into scratch memory, not
+        the first `PROBE_CHUNKS` of them in the background (`SchedulerStore.measure_reads`: into scratch memory, not
         DRAM, where they would keep this request's own saves of them out until the slow reads end), so the disk
         meter samples the disk again.
 
@@ -445,7 +487,7 @@ class SchedulerSide:
         in a bench regime sweep once the first, slowest regime had set the estimate). At most one probe per
         `disk_probe_interval_s`; the request itself does not wait for it.
         """
-        interval = self.s.disk_probe_interval_s
+        interval = self.settings.disk_probe_interval_s
         now = self.clock()
         if interval <= 0 or now < self._next_probe or not self.cost.disk_rate_older_than(interval):
             return
@@ -473,27 +515,32 @@ class SchedulerSide:
             self.counters.inc("prefetch_evicted")
 
     def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """vLLM admitted the request: its blocks are allocated. Carry out the plan it was answered
+        (`get_num_new_matched_tokens`): first what deciding it implies (`_commit`), then its load, which vLLM may
+        have declined (``num_external_tokens`` 0: e.g. its own prefix cache covers as much); else it recomputes."""
         st = self._state(request)
         plan, st.plan = st.plan, None
         if plan is None:
-            return
-        if num_external_tokens <= 0:
+            return  # not reached (load_policy never), or vLLM asks nothing of a request it resumes
+        self._commit(st, plan)
+        if not plan.loads or num_external_tokens <= 0:
             self.holds.set_phase(st, Phase.RECOMPUTED)
             return
+        self.holds.set_phase(st, Phase.LOADING)  # (a holding phase: its chunks are held from here on)
         k = plan.load
-        start_tok = k * self.C - num_external_tokens  # the engine's own (block-aligned) prefix hit ends here
-        first = start_tok // self.C
+        start_tok = k * self.chunk_tokens - num_external_tokens  # the engine's own (block-aligned) prefix hit ends here
+        first = start_tok // self.chunk_tokens
         st.hit_tokens = {}
         for c in range(first, k):  # the first chunk may be partly in the engine's own prefix cache already
-            n = (c + 1) * self.C - max(c * self.C, start_tok)
+            n = (c + 1) * self.chunk_tokens - max(c * self.chunk_tokens, start_tok)
             st.hit_tokens[plan.tiers[c]] = st.hit_tokens.get(plan.tiers[c], 0) + n
         for tier, n in st.hit_tokens.items():
             self.counters.inc(hit_counter(tier), n)
         per_chunk: list[list[int]] = []
         for c in range(first, k):
             ids = []
-            for j in range(self.bpc):
-                b = c * self.bpc + j
+            for j in range(self.blocks_per_chunk):
+                b = c * self.blocks_per_chunk + j
                 ids.append(int(block_ids[b]) if b * self.block_size >= start_tok else -1)
             per_chunk.append(ids)
         job = LoadJob(request.request_id, st.chunk_keys(first, k), per_chunk, plan.is_async,
@@ -509,8 +556,8 @@ class SchedulerSide:
                     self.rank_counters.inc(r, "prefetched_chunks", plan.below_dram)
                 self._start_reads(st, st.flat_keys(first, k))
         # (sync mode: the worker reads what is still below DRAM inside the step, joining reads in flight)
-        self.tl.event("alloc", st.req_id, ext=num_external_tokens, chunks=k - first,
-                      in_flight=self._reads_in_flight(st))  # fmt: skip
+        self.timeline.event("alloc", st.req_id, ext=num_external_tokens, chunks=k - first,
+                            in_flight=self._reads_in_flight(st))  # fmt: skip
         if plan.is_async:
             job.awaits_prefetch = self._reads_in_flight(st)
             st.load = job
@@ -518,7 +565,6 @@ class SchedulerSide:
         else:
             st.step_reads = 0 if self._reads_in_flight(st) else plan.below_dram
             self._sync_planned.append(st)
-        self.holds.set_phase(st, Phase.LOADING)
         self._new_loads.append(job)
 
     # ---- each step ------------------------------------------------------------------------------------------
@@ -538,9 +584,9 @@ class SchedulerSide:
             if st.load is not None and not st.load_settled and (st.prefetch is None or not st.prefetch.pending()):
                 st.load_settled = True
                 meta.settled.append(st.req_id)
-                self.tl.event("settled", st.req_id)
+                self.timeline.event("settled", st.req_id)
         meta.cancel_loads, self._cancel_loads = self._cancel_loads, []
-        if self.s.save:
+        if self.settings.save:
             self._plan_saves(scheduler_output, meta)
         meta.await_saves, self._await_saves = self._await_saves, []
         # Preempted requests lose their blocks at once: the worker must finish reading them before the step
@@ -556,7 +602,7 @@ class SchedulerSide:
         self._running = set(getattr(scheduler_output, "num_scheduled_tokens", None) or ())
         return meta
 
-    def _wait_for_reads(self, so: Any) -> None:
+    def _wait_for_reads(self, step: Any) -> None:
         """Wait here, blocked, for the reads the step about to go to the workers would wait for while vLLM's
         engine core spins (`_wait_parked` says why that spin stalls them): those of its in-step loads that joined
         reads in flight in this process (a late prefetch finished in the step), until they have landed (at most
@@ -568,11 +614,11 @@ class SchedulerSide:
         if in_step:
             with self._landed:
                 self._landed.wait_for(lambda: not any(self._reads_pending(st) for st in in_step),
-                                      timeout=self.s.store.io.join_timeout_s)  # fmt: skip
+                                      timeout=self.settings.store.io.join_timeout_s)  # fmt: skip
             return
-        self._wait_parked(so)
+        self._wait_parked(step)
 
-    def _wait_parked(self, so: Any) -> None:
+    def _wait_parked(self, step: Any) -> None:
         """A step with nothing in it while requests are parked on their reads: wait here, blocked, until the
         next read lands (at most `PARKED_WAIT_S`), rather than return an empty step at once.
 
@@ -583,7 +629,7 @@ class SchedulerSide:
         tens of seconds, `workqueue lockup` with `blk_throtl_dispatch_work_fn` pending) and from the I/O
         threads. Blocked here, the engine core sleeps until what the parked requests wait for has moved.
         """
-        if int(getattr(so, "total_num_scheduled_tokens", 0) or 0) > 0 or self._new_loads or self._cancel_loads \
+        if int(getattr(step, "total_num_scheduled_tokens", 0) or 0) > 0 or self._new_loads or self._cancel_loads \
                 or self._await_saves:
             return  # the step has work for the workers
         parked = [st for st in self.reqs.values() if st.load is not None]
@@ -599,21 +645,21 @@ class SchedulerSide:
     def _reads_pending(st: _Req) -> bool:
         return st.prefetch is not None and st.prefetch.pending() > 0
 
-    def _plan_saves(self, so: Any, meta: KVPrefetchMetadata) -> None:
+    def _plan_saves(self, step: Any, meta: KVPrefetchMetadata) -> None:
         progress: list[tuple[str, int]] = []
-        for nr in so.scheduled_new_reqs:
-            progress.append((nr.req_id, nr.num_computed_tokens + so.num_scheduled_tokens.get(nr.req_id, 0)))
-        cached = so.scheduled_cached_reqs
+        for nr in step.scheduled_new_reqs:
+            progress.append((nr.req_id, nr.num_computed_tokens + step.num_scheduled_tokens.get(nr.req_id, 0)))
+        cached = step.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
-            progress.append((rid, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0)))
+            progress.append((rid, cached.num_computed_tokens[i] + step.num_scheduled_tokens.get(rid, 0)))
         for rid, done_tokens in progress:
             st = self.reqs.get(rid)
             if st is None:
                 continue
-            full = min(done_tokens, st.request.num_tokens) // self.C
+            full = min(done_tokens, st.request.num_tokens) // self.chunk_tokens
             if full <= st.saved_chunks:
                 continue
-            self._keys(st, full * self.C)
+            self._keys(st, full * self.chunk_tokens)
             # Chunks already in DRAM (on every rank) are skipped. Chunks only on disk that the engine computed
             # anyway (recomputed because the disk was too slow, or served by vLLM's own prefix cache) are put
             # again: into DRAM, where the next hit is cheap; the store does not write them to disk twice.
@@ -625,29 +671,29 @@ class SchedulerSide:
             st.saved_chunks = full
             if first >= full or self.get_block_ids is None:
                 continue
-            blocks = self.get_block_ids(rid)
-            if len(blocks) < full * self.bpc:
+            blocks, per = self.get_block_ids(rid), self.blocks_per_chunk
+            if len(blocks) < full * per:
                 continue
             job = SaveJob(
                 self._next_job,
                 rid,
                 st.chunk_keys(first, full),
-                [[int(b) for b in blocks[c * self.bpc : (c + 1) * self.bpc]] for c in range(first, full)],
+                [[int(b) for b in blocks[c * per : (c + 1) * per]] for c in range(first, full)],
             )
             self._next_job += 1
             st.saves_inflight.add(job.job_id)
             self._save_owner[job.job_id] = (rid, 0)
             self._save_keys[job.job_id] = keys = [k for rank in job.keys for k in rank]
-            until = self.clock() + self.s.store.io.join_timeout_s  # (a save never reported: forgotten then)
+            until = self.clock() + self.settings.store.io.join_timeout_s  # (a save never reported: forgotten then)
             for key in keys:
                 self._saving[key] = until
             meta.saves.append(job)
             self.counters.inc("saved_chunks", full - first)
 
     def update_connector_output(self, output: Any) -> None:
-        wm = getattr(output, "kv_connector_worker_meta", None)
-        if isinstance(wm, KVPrefetchWorkerMeta):
-            for job_id, n in wm.saves_done.items():
+        worker_meta = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(worker_meta, KVPrefetchWorkerMeta):
+            for job_id, n in worker_meta.saves_done.items():
                 owner = self._save_owner.get(job_id)
                 if owner is None:
                     continue
@@ -660,18 +706,18 @@ class SchedulerSide:
                         st.saves_inflight.discard(job_id)
                 else:
                     self._save_owner[job_id] = (rid, done)
-            if wm.load_bytes and wm.load_seconds:
-                self.cost.observe_copy(wm.load_bytes, wm.load_seconds)
-            if wm.step_tokens and wm.forward_seconds:
-                self.cost.observe_prefill(wm.step_tokens, wm.forward_seconds)
-            if wm.disk_bytes and wm.disk_seconds:
-                self.cost.observe_disk(wm.disk_bytes, wm.disk_seconds)
-            self.rank_counters.merge(wm.ranks)
-            if wm.saves_done:
+            if worker_meta.load_bytes and worker_meta.load_seconds:
+                self.cost.observe_copy(worker_meta.load_bytes, worker_meta.load_seconds)
+            if worker_meta.step_tokens and worker_meta.forward_seconds:
+                self.cost.observe_prefill(worker_meta.step_tokens, worker_meta.forward_seconds)
+            if worker_meta.disk_bytes and worker_meta.disk_seconds:
+                self.cost.observe_disk(worker_meta.disk_bytes, worker_meta.disk_seconds)
+            self.rank_counters.merge(worker_meta.ranks)
+            if worker_meta.saves_done:
                 self.leases.retry_pins()  # leases on finish wait for their request's last saves
         for rid in getattr(output, "finished_recving", None) or ():
             st = self.reqs.get(rid)
-            self.tl.event("recv_done", rid)
+            self.timeline.event("recv_done", rid)
             if st is not None and st.phase is Phase.LOADING:
                 st.load = None
                 self.holds.set_phase(st, Phase.DONE)
@@ -696,7 +742,7 @@ class SchedulerSide:
     # ---- the end --------------------------------------------------------------------------------------------
     def request_finished(self, request: Any) -> bool:
         self._running.discard(request.request_id)
-        self.tl.event("finished", request.request_id)
+        self.timeline.event("finished", request.request_id)
         st = self.reqs.pop(request.request_id, None)
         if st is None:
             return False
@@ -721,7 +767,7 @@ class SchedulerSide:
     def _lease_on_finish(self, st: _Req) -> None:
         """Keep the finished request's chunks (prompt + answer: its session's likely next head) in DRAM for
         keep_warm_s; the chunks its last saves still write are pinned as those land (`update_connector_output`)."""
-        keep = keep_warm_s(st.request, self.s.keep_warm_s)
+        keep = keep_warm_s(st.request, self.settings.keep_warm_s)
         if keep > 0 and st.saved_chunks > 0:
             self.leases.grant(f"finish-{st.req_id}", "finish", st.flat_keys(0, st.saved_chunks), keep, self.tp_size)
 
@@ -743,8 +789,8 @@ class SchedulerSide:
         (Thread-safe: the warm server calls it from its own thread.)"""
         self.leases.expire()
         self.counters.inc("warm_calls")
-        n = len(token_ids) // self.C
-        keys = [k.keys(list(token_ids[: n * self.C])) for k in self.keyers]
+        n = len(token_ids) // self.chunk_tokens
+        keys = [k.keys(list(token_ids[: n * self.chunk_tokens])) for k in self.keyers]
         hit = self._hit(keys)
         m = hit.num_chunks
         flat = [k[i] for i in range(m) for k in keys]
@@ -789,7 +835,7 @@ class WarmCounts:
                 "remote": self.remote, "missing": self.missing, "ttl_s": round(self.ttl_s, 3)}  # fmt: skip
 
 
-def lease_counts(lease: Lease, tp_size: int, store: TieredStore, now: float) -> WarmCounts:
+def lease_counts(lease: Lease, tp_size: int, store: SchedulerStore, now: float) -> WarmCounts:
     """A lease's chunks where they are now (`warm_status`)."""
     keys = lease.keys
     chunks = len(keys) // max(tp_size, 1)

@@ -32,7 +32,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,10 +39,8 @@ from kvprefetch.io.affinity import pin_thread, pinned_initializer
 from kvprefetch.vllm.layout import ChunkGeometry, PagedKV, chunk_tensor
 from kvprefetch.vllm.metadata import KVPrefetchMetadata, KVPrefetchWorkerMeta, LoadJob, SaveJob
 from kvprefetch.vllm.metrics import ConnectorCounters
+from kvprefetch.vllm.store_api import ConnectorStore, WorkerStore
 from kvprefetch.vllm.timeline import timeline
-
-if TYPE_CHECKING:
-    from kvprefetch.store import TieredStore
 
 log = logging.getLogger("kvprefetch.vllm")
 IDLE_WAIT_S = 0.005  # longest an empty engine step waits for an async load to finish
@@ -194,7 +191,7 @@ def failed_blocks(job: LoadJob, n_ok: int) -> set[int]:
 class _RankPart:
     """What both parts of a worker work on: this rank's paged KV and view of the store, and where they report."""
 
-    def __init__(self, rank: int, kv: PagedKV, geo: ChunkGeometry, store: TieredStore, counters: ConnectorCounters,
+    def __init__(self, rank: int, kv: PagedKV, geo: ChunkGeometry, store: WorkerStore, counters: ConnectorCounters,
                  telemetry: Telemetry, warn: Callable[[str, str], None]):  # fmt: skip
         self.rank, self.kv, self.geo, self.store = rank, kv, geo, store
         self.counters, self.telemetry, self.warn = counters, telemetry, warn
@@ -224,7 +221,7 @@ class Loader(_RankPart):
         self._cancelled: set[str] = set()
         self._active: set[str] = set()  # requests with an async load on this worker
         self._started: KVPrefetchMetadata | None = None
-        self.tl = timeline()
+        self.timeline = timeline()
 
     # ---- reading chunks -------------------------------------------------------------------------------------
     def sources(self, job: LoadJob, stack: contextlib.ExitStack, stage: torch.Tensor) -> list[torch.Tensor]:
@@ -275,7 +272,7 @@ class Loader(_RankPart):
                     self._inflight += 1
                     self._active.add(job.req_id)
                 self._pool.submit(self._async_load, job)
-                self.tl.event("job_queued", job.req_id, chunks=job.num_chunks, awaits=job.awaits_prefetch)
+                self.timeline.event("job_queued", job.req_id, chunks=job.num_chunks, awaits=job.awaits_prefetch)
         if meta.settled or meta.cancel_loads:
             with self._cv:
                 self._settled.update(r for r in meta.settled if r in self._active)
@@ -325,7 +322,7 @@ class Loader(_RankPart):
         """Copy each chunk into the engine as soon as it is in DRAM, in order; report the job finished."""
         errors: set[int] = set()
         rid = job.req_id
-        self.tl.event("job_start", rid)
+        self.timeline.event("job_start", rid)
         try:
             if not job.cancelled:
                 self.counters.inc("async_loads")
@@ -340,7 +337,7 @@ class Loader(_RankPart):
         except BaseException as e:
             self.warn(type(e).__name__, f"async load failed ({e}); recomputing")
             errors = failed_blocks(job, 0)
-        self.tl.event("job_done", rid, errors=len(errors))
+        self.timeline.event("job_done", rid, errors=len(errors))
         with self._cv:
             self._done_recv.append((rid, errors))
             self._settled.discard(rid)
@@ -366,7 +363,7 @@ class Loader(_RankPart):
                         t0 = time.perf_counter()
                         self._scatter_all(chunk_tensor(views[0]), job.block_ids[i])
                         copy_s += time.perf_counter() - t0
-                        self.tl.event("copied", rid, i=i, how="dram", waited=round(t0 - t_wait, 4))
+                        self.timeline.event("copied", rid, i=i, how="dram", waited=round(t0 - t_wait, 4))
                         break
                 if job.awaits_prefetch and not settled:
                     with self._cv:  # the scheduler's process is reading it: look again soon
@@ -377,7 +374,7 @@ class Loader(_RankPart):
                 if not self._get_into([key], stage):
                     return i, copy_s
                 t0 = time.perf_counter()
-                self.tl.event("copied", rid, i=i, how="read", read_s=round(t0 - t_read, 4),
+                self.timeline.event("copied", rid, i=i, how="read", read_s=round(t0 - t_read, 4),
                               waited=round(t0 - t_wait, 4))  # fmt: skip
                 self._scatter_all(stage[0], job.block_ids[i])
                 copy_s += time.perf_counter() - t0
@@ -399,6 +396,12 @@ class Loader(_RankPart):
         return errs
 
     def shutdown(self) -> None:
+        """Stop the async loads first, then join their thread: a load parked on the scheduler's reads waits for
+        the scheduler to report them settled or cancelled, which a scheduler that is shutting down never does
+        (the join waited forever)."""
+        with self._cv:
+            self._cancelled |= self._active
+            self._cv.notify_all()
         self._pool.shutdown(wait=True)
 
 
@@ -490,7 +493,7 @@ class WorkerSide:
         num_blocks: int,
         block_size: int,
         chunk_tokens: int,
-        open_store: Callable[[int], TieredStore],
+        open_store: Callable[[int], ConnectorStore],
         counters: ConnectorCounters,
         layerwise: bool = True,
     ):
@@ -503,7 +506,7 @@ class WorkerSide:
         self.counters = counters
         self.layerwise = layerwise
         self.telemetry = Telemetry(rank)
-        self.store: TieredStore | None = None
+        self.store: ConnectorStore | None = None
         self.loader: Loader | None = None
         self.saver: Saver | None = None
         self.layer_index: dict[str, int] = {}

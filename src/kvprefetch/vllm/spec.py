@@ -1,0 +1,204 @@
+"""How a connector is built from vLLM's config, as vLLM's ``OffloadingSpecFactory`` builds an offloading spec.
+
+`connector_spec` reads, once, everything the two halves must agree on (a chunk's geometry and its keys) and
+refuses what the connector does not support; `build_scheduler` and `build_worker` assemble each half from that
+spec. `KVPrefetchConnector.__init__` is only their caller, so what a half is made of is read here in one place,
+and each step can be tested without an engine (``tests/vllm/test_spec.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from kvprefetch.keys import ChunkKeyer, KVNamespace
+from kvprefetch.vllm.compat import KVConnectorRole, check_version, num_blocks_of, single_attention_group
+from kvprefetch.vllm.layout import ChunkGeometry, effective_chunk_tokens, geometry_from_spec
+from kvprefetch.vllm.metrics import ConnectorCounters, Reporter
+from kvprefetch.vllm.scheduler import SchedulerSide
+from kvprefetch.vllm.settings import ConnectorSettings, parse_extra_config
+from kvprefetch.vllm.warm_api import WarmServer, engine_handler, socket_name
+from kvprefetch.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from kvprefetch.store import TieredStore
+    from kvprefetch.vllm.store_api import ConnectorStore
+
+log = logging.getLogger("kvprefetch.vllm")
+
+
+@dataclass(frozen=True)
+class ConnectorSpec:
+    """What both halves derive from vLLM's config, and must agree on to read each other's chunks."""
+
+    settings: ConnectorSettings
+    is_scheduler: bool
+    layer_names: tuple[str, ...]
+    geo: ChunkGeometry  # one rank's part of a chunk
+    rank: int  # this process's tensor-parallel rank (the scheduler keys as rank 0 and derives the others)
+    namespace: KVNamespace
+    keyer: ChunkKeyer
+    engine_id: str | None  # vLLM's engine id: names the warm-up API's socket
+
+    @property
+    def block_size(self) -> int:
+        return self.geo.block_size
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.geo.chunk_tokens
+
+
+def connector_spec(vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> ConnectorSpec:
+    """The spec of this process's connector; raises on what the connector does not support (a vLLM outside
+    the tested range is only warned about)."""
+    check_version()
+    check_parallelism(vllm_config.parallel_config)
+    transfer = vllm_config.kv_transfer_config
+    settings = parse_extra_config(transfer.kv_connector_extra_config)
+    attention, layer_names = single_attention_group(kv_cache_config)
+    chunk_tokens = _whole_blocks(settings.store.chunk_tokens, attention.block_size)
+    geo = geometry_from_spec(attention, len(layer_names), chunk_tokens)
+    is_scheduler = role == KVConnectorRole.SCHEDULER
+    tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+    rank = 0 if is_scheduler or tp_size == 1 else _tp_rank()
+    namespace = namespace_for(vllm_config, attention, len(layer_names), settings, rank)
+    keyer = ChunkKeyer(namespace, chunk_tokens)
+    return ConnectorSpec(settings, is_scheduler, tuple(layer_names), geo, rank, namespace, keyer,
+                         getattr(transfer, "engine_id", None))  # fmt: skip
+
+
+def use_load_failure_policy(kv_transfer_config: Any, settings: ConnectorSettings) -> None:
+    """Failure = miss: vLLM's default policy fails the request on a load error; ours recomputes the blocks.
+    (vLLM's scheduler reads the policy after it has built its connector, so setting it here takes effect.)"""
+    if kv_transfer_config.kv_load_failure_policy != settings.on_load_failure:
+        object.__setattr__(kv_transfer_config, "kv_load_failure_policy", settings.on_load_failure)
+
+
+class SchedulerHalf(NamedTuple):
+    """The scheduler process's connector: its side, the store it opened, its metrics and its warm-up API."""
+
+    side: SchedulerSide
+    store: ConnectorStore
+    reporter: Reporter
+    warm_server: WarmServer | None
+
+
+def build_scheduler(
+    spec: ConnectorSpec, counters: ConnectorCounters, get_block_ids: Callable[[str], list[int]]
+) -> SchedulerHalf:
+    settings, geo = spec.settings, spec.geo
+    store = open_store(settings, geo.chunk_bytes)
+    side = SchedulerSide(settings, spec.keyer, store, block_size=geo.block_size,
+                         blocks_per_chunk=geo.blocks_per_chunk, chunk_bytes=geo.chunk_bytes, counters=counters,
+                         get_block_ids=get_block_ids)  # fmt: skip
+    reporter = Reporter(
+        counters, store.stats, interval_s=settings.log_interval_s,
+        metrics_dir=settings.metrics_dir, metrics_port=settings.metrics_port, serve=True,
+    )  # fmt: skip
+    warm_server = start_warm_server(spec.engine_id, side)
+    log.info(
+        "kvprefetch: scheduler side up (chunk %d tokens = %d B per rank x %d ranks, prefetch %s, "
+        "load_mode %s, namespace %s)",
+        spec.chunk_tokens, geo.chunk_bytes, spec.namespace.tp_size, "on" if settings.prefetch else "off",
+        settings.load_mode, spec.namespace.short_id,
+    )  # fmt: skip
+    return SchedulerHalf(side, store, reporter, warm_server)
+
+
+def build_worker(spec: ConnectorSpec, counters: ConnectorCounters, kv_cache_config: Any) -> WorkerSide:
+    """A worker's side; its store opens with the KV caches (`WorkerSide.register_kv_caches`), once their page
+    layout gives the chunk size, which must be the one the scheduler keyed and sized for."""
+    expected = spec.geo.chunk_bytes
+
+    def open_checked(chunk_bytes: int) -> ConnectorStore:
+        if chunk_bytes != expected:
+            raise RuntimeError(
+                f"kvprefetch: worker chunk size {chunk_bytes} B != scheduler's {expected} B (unexpected KV page layout)"
+            )
+        return open_store(spec.settings, chunk_bytes)
+
+    return WorkerSide(spec.rank, spec.layer_names, num_blocks_of(kv_cache_config), spec.block_size, spec.chunk_tokens,
+                      open_checked, counters, layerwise=spec.settings.layerwise)  # fmt: skip
+
+
+def _whole_blocks(chunk_tokens: int, block_size: int) -> int:
+    """A chunk is whole vLLM blocks: the configured chunk_tokens rounded up to them (with a warning)."""
+    whole = effective_chunk_tokens(chunk_tokens, block_size)
+    if whole != chunk_tokens:
+        log.warning(
+            "kvprefetch: chunk_tokens %d is not a multiple of vLLM's block size %d; using %d",
+            chunk_tokens, block_size, whole,
+        )  # fmt: skip
+    return whole
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def namespace_for(
+    vllm_config: Any, spec: Any, num_layers: int, settings: ConnectorSettings, tp_rank: int = 0
+) -> KVNamespace:
+    """Everything that changes a chunk's bytes: model, layer geometry, dtype, TP size and rank, page layout.
+    (``spec.num_kv_heads`` is one rank's heads; `KVNamespace.for_rank` gives the other ranks'.)"""
+    mc = vllm_config.model_config
+    model_id = settings.model_id or f"{mc.model}@{getattr(mc, 'revision', None) or 'main'}"
+    from vllm.platforms import current_platform
+
+    page_bytes = int(getattr(spec, "real_page_size_bytes", None) or spec.page_size_bytes)
+    layout = f"vllm-page:{current_platform.device_type}:bs{spec.block_size}:page{page_bytes}"
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    dtype = _dtype_name(spec.dtype) if cache_dtype in (None, "auto") else str(cache_dtype)
+    return KVNamespace(
+        model=model_id,
+        num_layers=num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_size,
+        dtype=dtype,
+        tp_rank=tp_rank,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        layout=layout,
+        tenant=settings.tenant,
+    )
+
+
+def check_parallelism(parallel_config: Any) -> None:
+    """Tensor parallelism is supported (every rank's chunks are keyed, prefetched and loaded); pipeline
+    parallelism is not (a rank would hold only some layers of a chunk): refuse it by name at start-up."""
+    pp = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
+    if pp > 1:
+        raise NotImplementedError(
+            f"KVPrefetchConnector does not support pipeline parallelism (pipeline_parallel_size={pp}); "
+            "use tensor parallelism (tensor_parallel_size) only"
+        )
+
+
+def open_store(settings: ConnectorSettings, chunk_bytes: int) -> TieredStore:
+    from kvprefetch.store import TieredStore
+
+    config = settings.store
+    if config.dram.pool_name == "default":
+        # One pool per chunk geometry: slots are fixed-size, and another model on this node may differ.
+        dram = config.dram.model_copy(update={"pool_name": f"kvp-vllm-{chunk_bytes}"})
+        config = config.model_copy(update={"dram": dram})
+    return TieredStore(config, chunk_bytes=chunk_bytes)
+
+
+def start_warm_server(engine_id: str | None, sched: SchedulerSide) -> WarmServer | None:
+    """The warm-up API's engine side (`warm_api`), on a unix socket named after vLLM's engine id."""
+    if not engine_id:
+        return None
+    try:
+        return WarmServer(socket_name(engine_id), engine_handler(sched), sched.leases.expire)
+    except OSError as err:  # another engine with this id on the node (DP ranks share one id): no warm-up here
+        log.warning("kvprefetch: warm-up API not served by this engine (%s)", err)
+        return None
+
+
+def _tp_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
