@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 SCHEMA_KEY = "kvprefetch_bench"
+FIRST_VERSION = 1  # a file without the key: runs older than it, all version 1
 SCHEMA_VERSION = 2
 """1: the first. 2: `regime.whitepaper_storage_share` left out (the report computes it from the run's levels; a
 version-1 file's is still read)."""
@@ -120,10 +121,10 @@ class BenchResults(_Part):
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> BenchResults:
-        version = data.get(SCHEMA_KEY, SCHEMA_VERSION)
+        version = data.get(SCHEMA_KEY, FIRST_VERSION)
         if not isinstance(version, int) or version > SCHEMA_VERSION:
             raise ValueError(f"results schema version {version!r}: this kvprefetch reads up to {SCHEMA_VERSION}")
-        return cls.model_validate({k: v for k, v in data.items() if v is not None or k == SCHEMA_KEY})
+        return cls.model_validate({k: v for k, v in data.items() if v is not None} | {SCHEMA_KEY: version})
 
     @classmethod
     def load(cls, path: str | Path) -> BenchResults:
