@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml scripts/setup.sh
 
 test: setup
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=15
 
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slow"
