@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kvprefetch.bench.client import ZYGOTE_ENV
 from kvprefetch.tiers.dram import SHM_DIR, pid_alive
 
 pytest.importorskip("vllm")
@@ -55,8 +57,10 @@ def running(pid: int) -> bool:
 def test_a_bench_stopped_with_sigterm_leaves_no_pool_and_no_engine(tmp_path):
     cmd = [sys.executable, "-m", "kvprefetch.cli", "bench", "--mode", "prefetch", "--concurrency", "1",
            "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
+    # as a user runs it: its engines its own children (not forked by the test suite's zygote)
+    env = {k: v for k, v in os.environ.items() if k != ZYGOTE_ENV}
     with open(tmp_path / "bench.log", "w") as log:
-        bench = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        bench = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 600
         pools: set[Path] = set()

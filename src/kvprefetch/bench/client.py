@@ -21,6 +21,57 @@ class EngineError(RuntimeError):
     pass
 
 
+ZYGOTE_ENV = "KVPREFETCH_ENGINE_ZYGOTE"  # `kvprefetch.bench.zygote`'s socket: engines forked from it
+
+
+class ForkedProcess:
+    """An engine process forked by the zygote (`kvprefetch.bench.zygote`), with what `EngineProcess` uses of a
+    `Popen`: text pipes to its stdin and from its stdout, `poll`, `wait`, `kill`. It is not this process's
+    child: its end is seen through a pidfd, and its exit code is unknown (reported as 0; a kill as -9)."""
+
+    def __init__(self, zygote: str, spec_json: str, env: dict[str, str], stderr) -> None:
+        import json
+        import socket
+
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(zygote)
+                req = {"spec": spec_json, "env": env, "cwd": os.getcwd()}
+                socket.send_fds(s, [json.dumps(req).encode()], [stdin_r, stdout_w, stderr.fileno()])
+                self.pid = int(s.recv(64))
+        finally:
+            os.close(stdin_r)
+            os.close(stdout_w)
+        self.stdin = open(stdin_w, "w")  # noqa: SIM115  (closed with the process)
+        self.stdout = open(stdout_r)  # noqa: SIM115
+        self._pidfd = os.pidfd_open(self.pid)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        import select
+
+        if self.returncode is None and select.select([self._pidfd], [], [], 0)[0]:
+            self.returncode = 0
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import select
+
+        if self.returncode is None:
+            if not select.select([self._pidfd], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired("engine_proc", timeout or 0)
+            self.returncode = 0
+        return self.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        self.wait()
+        self.returncode = -signal.SIGKILL
+
+
 class EngineProcess:
     def __init__(self, spec: P.EngineSpec, log_path: Path, start_timeout: float = 900, log_level: str = "WARNING"):
         self.spec = spec
@@ -29,15 +80,20 @@ class EngineProcess:
         env.setdefault("VLLM_LOGGING_LEVEL", log_level)
         env["PYTHONUNBUFFERED"] = "1"
         self._log = open(log_path, "w")  # noqa: SIM115  (closed in close())
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvprefetch.bench.engine_proc", spec.model_dump_json()],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            env=env,
-            start_new_session=True,  # its own process group: its vLLM workers end with it (`_end_group`)
-        )
+        zygote = os.environ.get(ZYGOTE_ENV)
+        self.proc: subprocess.Popen | ForkedProcess
+        if zygote:
+            self.proc = ForkedProcess(zygote, spec.model_dump_json(), env, self._log)
+        else:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvprefetch.bench.engine_proc", spec.model_dump_json()],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._log,
+                text=True,
+                env=env,
+                start_new_session=True,  # its own process group: its vLLM workers end with it (`_end_group`)
+            )
         self._q: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         threading.Thread(target=self._pump, daemon=True).start()
