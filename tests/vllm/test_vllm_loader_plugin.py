@@ -10,8 +10,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from conftest import prompt
 from test_vllm_exactness import assert_same, reference
+
+from conftest import prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 

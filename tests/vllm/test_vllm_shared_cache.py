@@ -11,10 +11,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from conftest import CHUNK, extra_config, prompt
 from test_vllm_exactness import LEN, assert_same, delta, reference
 from vllm_harness import Engine, connector_config
 
+from conftest import CHUNK, extra_config, prompt
 from kvprefetch.bench.local_servers import MooncakeMaster, RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]

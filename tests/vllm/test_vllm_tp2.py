@@ -19,9 +19,10 @@ from kvprefetch.bench.protocol import Completion, CountersReply, Generate
 
 pytest.importorskip("vllm")
 
-from conftest import CHUNK, prompt
 from test_vllm_exactness import LEN, assert_same
 from test_vllm_exactness import reference as tp1_reference
+
+from conftest import CHUNK, prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
