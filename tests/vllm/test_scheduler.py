@@ -37,14 +37,20 @@ def req(tokens):
     )
 
 
-def test_scheduler_prefetches_on_arrival_and_loads_async_until_in_dram():
-    side, store, keyer, _ = make_scheduler()
+def arrive_with_head_on_disk(side, store, keyer):
+    """A 1100-token request (4 whole chunks) whose first 3 chunks are on disk, arrived: (request, keys)."""
     toks = list(range(1100))
     keys = keyer.keys(toks)
     for k in keys[:3]:
         store.tiers[k] = "disk"
     r = req(toks)
     side.on_new_request(r)
+    return r, keys
+
+
+def test_scheduler_prefetches_on_arrival_and_loads_async_until_in_dram():
+    side, store, keyer, _ = make_scheduler()
+    r, _ = arrive_with_head_on_disk(side, store, keyer)
     assert len(store.handles) == 1 and store.handles[0].num_reads == 3  # read starts on arrival
     n, is_async = side.get_num_new_matched_tokens(r, 0)
     assert (n, is_async) == (768, True)
@@ -73,12 +79,7 @@ def test_an_empty_step_with_requests_parked_on_their_reads_waits_for_them_instea
 
     monkeypatch.setattr(scheduler, "PARKED_WAIT_S", 1.0)  # the cap, long enough to tell a wait from none here
     side, store, keyer, _ = make_scheduler(prefetch=False)  # ondemand: the reads start when the request parks
-    toks = list(range(1100))
-    keys = keyer.keys(toks)
-    for k in keys[:3]:
-        store.tiers[k] = "disk"
-    r = req(toks)
-    side.on_new_request(r)
+    r, keys = arrive_with_head_on_disk(side, store, keyer)
     assert side.get_num_new_matched_tokens(r, 0) == (768, True)
     side.update_state_after_alloc(r, list(range(100, 109)), 768)
     empty = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
@@ -110,7 +111,7 @@ def test_an_empty_step_with_requests_parked_on_their_reads_waits_for_them_instea
     side.build_connector_meta(empty)
     assert time.monotonic() - t0 < 0.5, "nothing parked: nothing to wait for"
     # A parked request whose reads do not move costs each empty step the cap, never a hang
-    r2 = req(toks)
+    r2 = req(r.prompt_token_ids)  # the same prompt
     side.on_new_request(r2)
     assert side.get_num_new_matched_tokens(r2, 0)[1]
     side.update_state_after_alloc(r2, list(range(200, 209)), 768)
@@ -128,12 +129,8 @@ def test_a_step_whose_in_step_load_joins_reads_in_flight_waits_for_them_before_t
     side, store, keyer, _ = make_scheduler(load_mode="auto")
     side.cost.observe_prefill(256, 0.5)  # a slow engine: loading always pays
     side.cost.observe_disk(10_000, 0.01)
-    toks = list(range(1100))
-    keys = keyer.keys(toks)
-    for k in keys[:3]:
-        store.tiers[k] = "disk"
-    r = req(toks)
-    side.on_new_request(r)  # the prefetch starts, and stays in flight until the test lands it
+    # the prefetch starts, and stays in flight until the test lands it
+    r, keys = arrive_with_head_on_disk(side, store, keyer)
     assert side.get_num_new_matched_tokens(r, 0) == (768, False), "idle engine: the late prefetch ends in the step"
     side.update_state_after_alloc(r, list(range(100, 109)), 768)
     handle = store.handles[0]
@@ -214,7 +211,7 @@ def test_a_rule_that_recomputes_because_the_disk_looked_slow_measures_it_again_a
     side.update_state_after_alloc(r, [], 0)  # vLLM admits it: the probe starts
     assert len(store.handles) == 1 and store.handles[0].reads == keys[:3], "read in the background, to measure"
     assert side.counters.snapshot()["disk_probe_chunks"] == 3
-    r2 = req(toks)
+    r2 = req(r.prompt_token_ids)  # the same prompt
     side.on_new_request(r2)
     assert side.get_num_new_matched_tokens(r2, 0) == (0, False)
     side.update_state_after_alloc(r2, [], 0)

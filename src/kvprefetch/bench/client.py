@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from kvprefetch.bench import protocol as P
+from kvprefetch.bench.zygote import ENV as ZYGOTE_ENV  # its socket: engines forked from it
 
 
 class EngineError(RuntimeError):
     pass
 
 
-ZYGOTE_ENV = "KVPREFETCH_ENGINE_ZYGOTE"  # `kvprefetch.bench.zygote`'s socket: engines forked from it
 
 
 class ForkedProcess:
@@ -49,20 +49,21 @@ class ForkedProcess:
         self._pidfd = os.pidfd_open(self.pid)
         self.returncode: int | None = None
 
-    def poll(self) -> int | None:
+    def _ended(self, timeout: float | None) -> bool:
+        """Whether the process ended within `timeout` seconds (None: however long it takes)."""
         import select
 
-        if self.returncode is None and select.select([self._pidfd], [], [], 0)[0]:
+        if self.returncode is None and select.select([self._pidfd], [], [], timeout)[0]:
             self.returncode = 0
-        return self.returncode
+        return self.returncode is not None
+
+    def poll(self) -> int | None:
+        return self.returncode if self._ended(0) else None
 
     def wait(self, timeout: float | None = None) -> int:
-        import select
-
-        if self.returncode is None:
-            if not select.select([self._pidfd], [], [], timeout)[0]:
-                raise subprocess.TimeoutExpired("engine_proc", timeout or 0)
-            self.returncode = 0
+        if not self._ended(timeout):
+            raise subprocess.TimeoutExpired("engine_proc", timeout or 0)
+        assert self.returncode is not None
         return self.returncode
 
     def kill(self) -> None:

@@ -703,20 +703,20 @@ def op_warm(child: EngineChild, req: P.Warm) -> P.Warmed:
 
 
 def op_counters(child: EngineChild, req: P.Counters) -> P.CountersReply:
-    """This process's connectors' counters (the scheduler's, and the workers' where they run here; the ranks'
-    through the scheduler), each role's store stats, the cost model's estimates; and the stores' stats summed
-    over every process (`EngineChild.snapshot`)."""
+    """This process's connectors' counters (the scheduler's, and the workers' where they run here), each role's
+    store stats, the cost model's estimates; and from `EngineChild.snapshot`, the per-rank stats and the stores'
+    stats summed over every process."""
     from kvprefetch.vllm.metrics import snapshot_all
 
+    conns = _live_connectors()
     stores, cost = {}, None
-    for c in _live_connectors():
+    for c in conns:
         if c.store is not None:
             stores[c.counters.role] = c.store.stats().get("store")
         cost = c.cost_snapshot() or cost
-    sched = _scheduler_connector()
-    ranks = {str(r): v for r, v in (sched.rank_stats() or {}).items()} if sched is not None else None
-    return P.CountersReply(counters=snapshot_all() if _live_connectors() else {}, stores=stores, cost=cost,
-                           ranks=ranks or None, store=child.snapshot()["store"])  # fmt: skip
+    snap = child.snapshot()
+    return P.CountersReply(counters=snapshot_all() if conns else {}, stores=stores, cost=cost,
+                           ranks=snap.get("ranks") or None, store=snap["store"])  # fmt: skip
 
 
 def op_placement(child: EngineChild, req: P.Placements) -> dict:

@@ -52,7 +52,7 @@ from kvprefetch.bench.plan import (
     cuda_available,
     plan_bench,
 )
-from kvprefetch.bench.populate import Populated, RunFiles, count_chunks, populate, remove_pool
+from kvprefetch.bench.populate import Populated, RunFiles, populate, remove_pool
 from kvprefetch.bench.regime import make_throttle, stream_bps
 from kvprefetch.bench.rounds import aggregate
 from kvprefetch.bench.stats import cell_metrics
@@ -278,7 +278,7 @@ class Bench:
         else:
             me.disk.mkdir(parents=True, exist_ok=True)
         try:
-            me.eng = self._start_mode_engine(me, sizing, throttle)
+            me.eng = self._start_mode_engine(me, pop, sizing, throttle)
         except (EngineError, RuntimeError, OSError, TimeoutError) as err:
             self._close_mode(me, calibrate=False)
             self._start_failed(mode, err)
@@ -288,12 +288,12 @@ class Bench:
         self.last_active = (mode, time.monotonic())  # its warm-up (and preload or prelude) just ran
         return me
 
-    def _start_mode_engine(self, me: _ModeEngine, sizing: StoreSizing, throttle) -> EngineProcess:
+    def _start_mode_engine(self, me: _ModeEngine, pop: Populated, sizing: StoreSizing, throttle) -> EngineProcess:
         """The mode's engine started (and its remote server, seeded with the prelude, for a remote mode)."""
         mode, remote = me.mode, None
         env = lmcache_env(sizing, me.disk) if mode == "lmcache" else None
         if mode in REMOTE_MODES:
-            me.server, remote = start_remote_server(self.plan, self.files, mode, self.pop, self.progress.update)
+            me.server, remote = start_remote_server(self.plan, pop, mode, self.files, self.progress.update)
         spec = self.plan.engine_spec(kv_transfer_config(mode, sizing, me.disk, me.pool, remote=remote),
                                      cgroup=str(throttle.path) if throttle else None, env=env)  # fmt: skip
         eng = self._start(mode, spec)
@@ -462,7 +462,7 @@ def dram_sizing(plan: BenchPlan, pop: Populated) -> StoreSizing:
 
 
 # -- the remote modes ---------------------------------------------------------------------------------------------
-def start_remote_server(plan: BenchPlan, files: RunFiles, mode: str, pop: Populated | None,
+def start_remote_server(plan: BenchPlan, pop: Populated, mode: str, files: RunFiles,
                         say: Callable[[str, float], None]) -> tuple[Any, dict]:  # fmt: skip
     """The remote mode's server on loopback, and the store config's remote section that reaches it."""
     from kvprefetch.bench.local_servers import MooncakeMaster, RedisServer
@@ -476,9 +476,8 @@ def start_remote_server(plan: BenchPlan, files: RunFiles, mode: str, pop: Popula
         return server, remote_section("redis", server)
     server = MooncakeMaster(d)
     w = plan.workload
-    chunks = count_chunks(files.populated) + 64 * (1 + sum(map(w.requests, w.levels)))
-    chunk_bytes = pop.chunk_bytes if pop else plan.opts.chunk_tokens * plan.model.bytes_per_token
-    segment = max(256 << 20, int(chunks * (chunk_bytes + 8192) * 1.5))
+    chunks = pop.info["chunks_on_disk"] + 64 * (1 + sum(map(w.requests, w.levels)))
+    segment = max(256 << 20, int(chunks * (pop.chunk_bytes + 8192) * 1.5))
     return server, remote_section("mooncake", server, segment_bytes=segment)
 
 

@@ -20,7 +20,7 @@ import signal
 import socket
 import sys
 
-ENV = "KVPREFETCH_ENGINE_ZYGOTE"
+ENV = "KVPREFETCH_ENGINE_ZYGOTE"  # names the socket; `EngineProcess` forks through it when set
 
 
 def _reap(_signum: int, _frame: object) -> None:
