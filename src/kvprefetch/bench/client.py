@@ -22,8 +22,6 @@ class EngineError(RuntimeError):
     pass
 
 
-
-
 class ForkedProcess:
     """An engine process forked by the zygote (`kvprefetch.bench.zygote`), with what `EngineProcess` uses of a
     `Popen`: text pipes to its stdin and from its stdout, `poll`, `wait`, `kill`. It is not this process's
@@ -67,6 +65,8 @@ class ForkedProcess:
         return self.returncode
 
     def kill(self) -> None:
+        if self.returncode is not None:  # ended (and its pid maybe reused)
+            return
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
         self.wait()
@@ -74,8 +74,14 @@ class ForkedProcess:
 
 
 class EngineProcess:
-    def __init__(self, spec: P.EngineSpec, log_path: Path, start_timeout: float = 900, log_level: str = "WARNING"):
+    """An engine process and its protocol. Constructed, it has started and answered that it is ready; with
+    `wait=False` it is only launched, so that several engines can start at once (their start is mostly vLLM's
+    worker importing torch and vLLM), and `wait_ready()` waits for it."""
+
+    def __init__(self, spec: P.EngineSpec, log_path: Path, start_timeout: float = 900, log_level: str = "WARNING",
+                 wait: bool = True):  # fmt: skip
         self.spec = spec
+        self.ready: dict | None = None
         self.log_path = log_path
         env = dict(os.environ)
         env.setdefault("VLLM_LOGGING_LEVEL", log_level)
@@ -98,11 +104,18 @@ class EngineProcess:
         self._q: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         threading.Thread(target=self._pump, daemon=True).start()
-        try:
-            self.ready = self._wait(start_timeout)
-        except BaseException:  # a failed start, or this process interrupted (SIGINT/SIGTERM) while waiting
-            self.kill()
-            raise
+        if wait:
+            self.wait_ready(start_timeout)
+
+    def wait_ready(self, timeout: float = 900) -> dict:
+        """The engine's ready message, once it has sent it; a failed start kills what is left of it."""
+        if self.ready is None:
+            try:
+                self.ready = self._wait(timeout)
+            except BaseException:  # a failed start, or this process interrupted (SIGINT/SIGTERM) while waiting
+                self.kill()
+                raise
+        return self.ready
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
@@ -176,6 +189,11 @@ class EngineProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
     def close(self) -> None:
+        """Ask the engine to exit and wait for it (a minute); one still starting is killed (it would answer only
+        once started)."""
+        if self.ready is None:
+            self.kill()
+            return
         if self.proc.poll() is None:
             with contextlib.suppress(Exception):
                 self.call(P.Exit(), timeout=60)

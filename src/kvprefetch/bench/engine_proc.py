@@ -148,6 +148,25 @@ def _local_placement(_worker: Any = None) -> dict:
     return {"pid": os.getpid(), "threads": threads}
 
 
+def pin_to_host(spec: P.EngineSpec) -> None:
+    """The placement `place` describes, once the engine is built: every thread of this process and of its
+    workers that no one bound (its mask still the whole machine) on the host cores, as if the process had taken
+    them before it started any (vLLM bound the workers' OpenMP threads, the model's main thread among them, to
+    the model's cores; the connector its own threads to ``io.cpus``)."""
+    import psutil  # vLLM's dependency (this process runs vLLM)
+
+    if spec.topology is None:
+        return
+    host, unbound = set(spec.topology.host_cpus), os.sched_getaffinity(0)
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            for t in proc.threads():
+                with contextlib.suppress(OSError):  # the thread ended meanwhile
+                    if os.sched_getaffinity(t.id) == unbound:
+                        os.sched_setaffinity(t.id, host)
+
+
 def _scheduler_connector():
     for c in _live_connectors():
         if c.is_scheduler:
@@ -161,14 +180,15 @@ def place(spec: P.EngineSpec) -> P.EngineSpec:
     client, the scheduler and its connector) and the connector threads of every process (``io.cpus``, set by the
     bench) run on the host cores. The workers are vLLM's multiprocess executor's, as in a `vllm serve`
     deployment, so the model does not share this process's interpreter lock. Without a topology every thread
-    may run anywhere (tensor-parallel ranks still get a core each: `tp_cpu_env`)."""
+    may run anywhere (tensor-parallel ranks still get a core each: `tp_cpu_env`). The host cores are taken once
+    the engine is built (`pin_to_host`), so that its workers import torch and vLLM on every core (engines the
+    bench starts together start in half the time on two cores)."""
     from kvprefetch.vllm.cpu import OMP_BIND, omp_threads_bind, tp_cpu_env
 
     topo, tp = spec.topology, spec.tensor_parallel_size
     if topo is None:
         os.environ.update(tp_cpu_env(tp))
         return spec
-    os.sched_setaffinity(0, set(topo.host_cpus))  # threads started from here on inherit it
     os.environ[OMP_BIND] = omp_threads_bind(tp, list(topo.model_cpus))
     return spec.model_copy(update={"engine_args": {"distributed_executor_backend": "mp"} | spec.engine_args})
 
@@ -754,6 +774,7 @@ def start(spec: P.EngineSpec) -> tuple[EngineChild, Callable[[], None]]:
     spec = place(spec)
     shm_before = set(glob.glob("/dev/shm/vllm_dist_*"))
     child = EngineChild(build_engine(spec))
+    pin_to_host(spec)
     shm_mine = set(glob.glob("/dev/shm/vllm_dist_*")) - shm_before
 
     def cleanup() -> None:

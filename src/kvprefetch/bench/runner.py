@@ -183,10 +183,19 @@ class Bench:
         return results
 
     def _start(self, name: str, spec: P.EngineSpec) -> EngineProcess:
+        """An engine started and warmed up."""
+        return self._warm_up(name, self._launch(name, spec))
+
+    def _launch(self, name: str, spec: P.EngineSpec) -> EngineProcess:
+        """An engine launched, not yet ready: engines launched together start at once."""
         self.progress.update(f"{name}: starting engine")
-        eng = EngineProcess(spec, self.files.work / f"engine-{name}.log")
-        self.progress.update(f"{name}: warm-up", 20)
+        return EngineProcess(spec, self.files.work / f"engine-{name}.log", wait=False)
+
+    def _warm_up(self, name: str, eng: EngineProcess) -> EngineProcess:
+        """A launched engine, once ready, warmed up; killed if it fails either."""
         try:
+            eng.wait_ready()
+            self.progress.update(f"{name}: warm-up", 20)
             eng.call(P.Warmup(n=2, tokens=min(512, self.plan.max_model_len // 2), vocab=self.plan.model.vocab_size))
         except BaseException:
             eng.kill()
@@ -205,9 +214,10 @@ class Bench:
                     self._add_row({"mode": m, "concurrency": c, "status": "unavailable", "reason": plan.avail[m][1]})
         opened: dict[str, _ModeEngine] = {}
         try:
-            for m in plan.running:
-                if m not in TWO_INSTANCE_MODES and (me := self._open_mode(m, pop, throttle)):
-                    opened[m] = me
+            single = [m for m in plan.running if m not in TWO_INSTANCE_MODES]
+            for me in [self._launch_mode(m, pop, throttle, opened) for m in single]:
+                if me is not None and not self._ready_mode(me, pop):
+                    del opened[me.mode]
             for label, bps in [(pop.regime["asked"], pop.regime.get("target_read_bps")), *pop.sweep]:
                 self._run_regime(opened, label, bps, throttle)
         except BaseException:  # a failure or SIGINT/SIGTERM: close the engines now, without calibrating them
@@ -267,39 +277,50 @@ class Bench:
         self.runs.append(row)
         self.on_row(row)
 
-    def _open_mode(self, mode: str, pop: Populated, throttle) -> _ModeEngine | None:
-        """The mode's engine, on its own copy of the populated disk tier and its own DRAM pool, warmed up (and,
-        in `dram` mode, with every chunk in DRAM); None if it failed to start (its rows say so)."""
+    def _launch_mode(self, mode: str, pop: Populated, throttle, opened: dict[str, _ModeEngine]) -> _ModeEngine | None:
+        """The mode's engine launched (not waited for: the modes' engines start at once), on its own copy of the
+        populated disk tier and its own DRAM pool, and entered in `opened` (closed from there if the run stops);
+        None if it failed to launch (its rows say so)."""
         plan, files = self.plan, self.files
-        me = _ModeEngine(mode, None, files.pool(mode), files.work / f"disk-{mode}")
+        me = opened[mode] = _ModeEngine(mode, None, files.pool(mode), files.work / f"disk-{mode}")
         sizing = dram_sizing(plan, pop) if mode == "dram" else pop.sizing
         if mode in CONNECTOR_MODES:
             _clone_tree(files.populated, me.disk)
         else:
             me.disk.mkdir(parents=True, exist_ok=True)
+        remote = None
         try:
-            me.eng = self._start_mode_engine(me, pop, sizing, throttle)
+            if mode in REMOTE_MODES:
+                me.server, remote = start_remote_server(self.plan, pop, mode, self.files, self.progress.update)
+            env = lmcache_env(sizing, me.disk) if mode == "lmcache" else None
+            spec = self.plan.engine_spec(kv_transfer_config(mode, sizing, me.disk, me.pool, remote=remote),
+                                         cgroup=str(throttle.path) if throttle else None, env=env)  # fmt: skip
+            me.eng = self._launch(mode, spec)
         except (EngineError, RuntimeError, OSError, TimeoutError) as err:
-            self._close_mode(me, calibrate=False)
-            self._start_failed(mode, err)
-            self.progress.update(f"{mode}: failed", plan.mode_estimate(mode, pop.tps, plan.opts.repeats))
+            self._mode_failed(opened.pop(mode), err)
             return None
-        self._prepare(me)
-        self.last_active = (mode, time.monotonic())  # its warm-up (and preload or prelude) just ran
         return me
 
-    def _start_mode_engine(self, me: _ModeEngine, pop: Populated, sizing: StoreSizing, throttle) -> EngineProcess:
-        """The mode's engine started (and its remote server, seeded with the prelude, for a remote mode)."""
-        mode, remote = me.mode, None
-        env = lmcache_env(sizing, me.disk) if mode == "lmcache" else None
-        if mode in REMOTE_MODES:
-            me.server, remote = start_remote_server(self.plan, pop, mode, self.files, self.progress.update)
-        spec = self.plan.engine_spec(kv_transfer_config(mode, sizing, me.disk, me.pool, remote=remote),
-                                     cgroup=str(throttle.path) if throttle else None, env=env)  # fmt: skip
-        eng = self._start(mode, spec)
-        if mode in REMOTE_MODES:
-            self.notes.append(seed_remote(self.plan, self.files, mode, eng, self.progress.update))
-        return eng
+    def _ready_mode(self, me: _ModeEngine, pop: Populated) -> bool:
+        """A launched mode's engine ready and warmed up, its remote peer seeded, its starting state prepared
+        (`_prepare`); False if it failed (closed, its rows say so)."""
+        assert me.eng is not None
+        try:
+            self._warm_up(me.mode, me.eng)
+            if me.mode in REMOTE_MODES:
+                self.notes.append(seed_remote(self.plan, self.files, me.mode, me.eng, self.progress.update))
+        except (EngineError, RuntimeError, OSError, TimeoutError) as err:
+            self._mode_failed(me, err)
+            return False
+        self._prepare(me)
+        self.last_active = (me.mode, time.monotonic())  # its warm-up (and preload or prelude) just ran
+        return True
+
+    def _mode_failed(self, me: _ModeEngine, err: BaseException) -> None:
+        self._close_mode(me, calibrate=False)
+        self._start_failed(me.mode, err)
+        tps = self.pop.tps if self.pop else 0.0
+        self.progress.update(f"{me.mode}: failed", self.plan.mode_estimate(me.mode, tps, self.plan.opts.repeats))
 
     def _prepare(self, me: _ModeEngine) -> None:
         """A mode's starting state: every chunk in DRAM (`dram`), or the prelude in a peer's own store."""
