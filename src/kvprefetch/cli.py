@@ -45,6 +45,7 @@ def _register_subcommands() -> None:
     from kvprefetch.bench.micro.poolbench_cli import register as register_poolbench
     from kvprefetch.bench.micro.remotebench_cli import register as register_remotebench
     from kvprefetch.bench.serve_bench_cli import register as register_bench_serve
+    from kvprefetch.events_cli import register as register_events
     from kvprefetch.serve_cli import register as register_serve
     from kvprefetch.sim.cli import register as register_sim
     from kvprefetch.status_cli import register as register_status
@@ -60,6 +61,7 @@ def _register_subcommands() -> None:
     register_poolbench(app)
     register_serve(app)
     register_bench_serve(app)
+    register_events(app)
 
 
 _register_subcommands()

@@ -204,6 +204,20 @@ class TieredStore:
                     tiers[i] = Tier.REMOTE
         return tiers
 
+    def residency(self, keys: Sequence[bytes]) -> list[frozenset[Tier]]:
+        """Every tier holding each key now, asked of each tier itself (the DRAM pool's node-wide index, the disk
+        file, one batched remote round trip), whoever put it there or removed it: what the KV events announce.
+        (`lookup` answers a different question: the fastest tier of each key of a prefix, from this process's
+        disk index.) A remote that does not answer holds nothing."""
+        keys = list(keys)
+        dram = self.dram.contains_many(keys)
+        disk = [self.disk.present(k) for k in keys] if self.disk is not None else [False] * len(keys)
+        remote = self.remote.contains_many(keys) if self.remote is not None else [False] * len(keys)
+        return [
+            frozenset(t for t, there in ((Tier.DRAM, d), (Tier.DISK, f), (Tier.REMOTE, r)) if there)
+            for d, f, r in zip(dram, disk, remote, strict=True)
+        ]
+
     def in_dram(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key: whether it is in the DRAM tier now (READY)."""
         return self.dram.contains_many(list(keys))

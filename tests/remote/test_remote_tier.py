@@ -223,29 +223,35 @@ def test_mooncake_full_evicts_without_corruption(open_node, keyer, mooncake_mast
     assert node_b.stats()["store"]["remote_hits"] > 0
 
 
-def test_mooncake_master_killed_and_restarted_degrades_then_reconnects(open_node, keyer, tmp_path):
+@pytest.fixture
+def own_master(tmp_path):
+    """A Mooncake master of the test's own, killed after the stores that use it are closed (requested before
+    `open_node`, it is torn down after it: a Mooncake client closing with its master dead waits ~12 s)."""
     from kvprefetch.bench.local_servers import MooncakeMaster
 
     master = MooncakeMaster(tmp_path)
-    try:
-        remote = remote_section("mooncake", mooncake_master=master)
-        node_a, node_b = open_node(remote), open_node(remote)
-        keys = keyer.keys(range(16 * 3))
-        node_a.put(keys, [chunk_payload(k) for k in keys]).result(30)
-        assert node_b.lookup(keys).tiers == [Tier.REMOTE] * 3
-        master.kill()
-        t0 = time.monotonic()
-        assert _load(node_b, keys) == 0
-        assert node_b.lookup(keys).num_hit_chunks == 0
-        assert time.monotonic() - t0 < 10, "a dead master must not stall requests"
-        master.start()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # clients re-register with the new master on their own
-            node_a.dram.discard(keys[0])
-            node_a.put(keys[:1], [chunk_payload(keys[0])]).result(30)
-            if node_b.lookup(keys[:1]).tiers == [Tier.REMOTE]:
-                break
-            time.sleep(1)
-        assert _load(node_b, keys[:1]) == 1
-    finally:
-        master.kill()
+    yield master
+    master.kill()
+
+
+def test_mooncake_master_killed_and_restarted_degrades_then_reconnects(own_master, open_node, keyer):
+    master = own_master
+    remote = remote_section("mooncake", mooncake_master=master)
+    node_a, node_b = open_node(remote), open_node(remote)
+    keys = keyer.keys(range(16 * 3))
+    node_a.put(keys, [chunk_payload(k) for k in keys]).result(30)
+    assert node_b.lookup(keys).tiers == [Tier.REMOTE] * 3
+    master.kill()
+    t0 = time.monotonic()
+    assert _load(node_b, keys) == 0
+    assert node_b.lookup(keys).num_hit_chunks == 0
+    assert time.monotonic() - t0 < 10, "a dead master must not stall requests"
+    master.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # clients re-register with the new master on their own
+        node_a.dram.discard(keys[0])
+        node_a.put(keys[:1], [chunk_payload(keys[0])]).result(30)
+        if node_b.lookup(keys[:1]).tiers == [Tier.REMOTE]:
+            break
+        time.sleep(1)
+    assert _load(node_b, keys[:1]) == 1

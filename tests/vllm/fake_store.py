@@ -85,3 +85,5 @@ class FakeStore:
     def in_dram(self, keys: Sequence[bytes]) -> list[bool]:
         return [self.tiers.get(k) == "dram" for k in keys]
 
+    def residency(self, keys: Sequence[bytes]) -> list[frozenset[str]]:
+        return [frozenset({self.tiers[k]}) if k in self.tiers else frozenset() for k in keys]

@@ -47,9 +47,9 @@ def store_uses(*files: str) -> set[str]:
 
 
 def test_the_protocols_name_exactly_what_each_half_calls():
-    assert store_uses("scheduler.py", "leases.py") == members(SchedulerStore)
+    assert store_uses("scheduler.py", "leases.py", "events.py") == members(SchedulerStore)
     assert store_uses("worker.py") == members(WorkerStore)
-    assert store_uses("connector.py", "scheduler.py", "leases.py", "worker.py") == members(ConnectorStore)
+    assert store_uses("connector.py", "scheduler.py", "leases.py", "events.py", "worker.py") == members(ConnectorStore)
 
 
 def accepts(impl: object, proto: type) -> list[str]:

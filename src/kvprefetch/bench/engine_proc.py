@@ -89,6 +89,10 @@ def build_engine(spec: P.EngineSpec):
     if spec.kv_transfer_config:
         kwargs["kv_transfer_config"] = spec.kv_transfer_config
     kwargs.update(spec.engine_args)
+    if isinstance(kwargs.get("kv_events_config"), dict):  # (EngineArgs takes the config object only)
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
     return LLMEngine.from_engine_args(EngineArgs(**kwargs))
 
 
@@ -671,6 +675,13 @@ def op_geometry(child: EngineChild, req: P.Geometry) -> P.GeometryReply:
                            chunk_tokens=c.keyer.chunk_tokens, block_size=c.block_size)  # fmt: skip
 
 
+def op_chunk_keys(child: EngineChild, req: P.ChunkKeys) -> P.KeysReply:
+    c = _scheduler_connector()
+    if c is None or c._sched is None:
+        raise RuntimeError("chunk_keys needs the kvprefetch connector")
+    return P.KeysReply(keys=[[k.hex() for k in keyer.keys(req.tokens)] for keyer in c._sched.keyers])
+
+
 def op_generate(child: EngineChild, req: P.Generate) -> P.Generated:
     """Greedy completions with each token's logprob, in the prompts' order. `hold_until_prefetched`: every
     request arrives (its prefetch starts) before the engine takes a step, and the engine waits until every read
@@ -749,6 +760,7 @@ OPS: dict[type[P.Request], Callable[[EngineChild, Any], Any]] = {
     P.Warmup: op_warmup,
     P.Calibrate: op_calibrate,
     P.Geometry: op_geometry,
+    P.ChunkKeys: op_chunk_keys,
     P.Generate: op_generate,
     P.Warm: op_warm,
     P.Counters: op_counters,

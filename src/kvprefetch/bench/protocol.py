@@ -62,6 +62,10 @@ class _Reply(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
+class KeysReply(_Reply):
+    keys: list[list[str]]  # keys[rank][i]: chunk i's key on each tensor-parallel rank, in hex
+
+
 class GeometryReply(_Reply):
     chunk_bytes: int | None  # a chunk's bytes over every tensor-parallel rank (each rank stores its own part)
     tp_size: int | None
@@ -272,6 +276,15 @@ class Geometry(Request):
     reply = GeometryReply
 
 
+class ChunkKeys(Request):
+    """The scheduler connector's chunk keys of the whole chunks of `tokens`, every rank's (where a test finds a
+    prompt's chunks in the tiers)."""
+
+    op = "chunk_keys"
+    reply = KeysReply
+    tokens: list[int]
+
+
 class Reset(Request):
     op = "reset"
     reply = ResetReply
@@ -302,7 +315,7 @@ class Exit(Request):
 REQUESTS: dict[str, type[Request]] = {
     r.op: r
     for r in (Warmup, Calibrate, Run, Serve, Add, End, Generate, Warm, DiskBandwidth, StreamLimit, SeedRemote,
-              PreloadDram, Geometry, Reset, Flush, CoolDram, Counters, Placements, Exit)
+              PreloadDram, Geometry, ChunkKeys, Reset, Flush, CoolDram, Counters, Placements, Exit)
 }
 
 

@@ -235,6 +235,16 @@ class DiskTier:
                 self.used_bytes += size
         return True
 
+    def present(self, key: bytes) -> bool:
+        """Whether key's file is on disk now, asked of the file system: another process (an engine sharing the
+        directory, `kvprefetch status --gc`) may have removed it since this process indexed it, which
+        `contains` does not see. A file that would not be trusted is not present."""
+        try:
+            st = os.stat(self.path_of(key), follow_symlinks=False)
+        except OSError:
+            return False
+        return self.access.distrust(st) is None
+
     def _touch(self, key: bytes) -> None:
         with self._lock:
             if key in self._index:

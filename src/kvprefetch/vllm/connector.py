@@ -20,6 +20,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from kvprefetch.vllm.compat import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, block_ids_of
+from kvprefetch.vllm.events import TierEvents
 from kvprefetch.vllm.metadata import KVPrefetchMetadata
 from kvprefetch.vllm.metrics import ConnectorCounters, Reporter
 from kvprefetch.vllm.scheduler import SchedulerSide, WarmCounts
@@ -50,6 +51,7 @@ class KVPrefetchConnector(KVConnectorBase_V1):
     _warm_server: WarmServer | None = None
     _worker: WorkerSide | None = None
     _reporter: Reporter | None = None  # (the worker's starts with its store, in register_kv_caches)
+    _events: TierEvents | None = None  # the tiers' KV events (scheduler side, with --kv-events-config)
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -62,9 +64,8 @@ class KVPrefetchConnector(KVConnectorBase_V1):
         self._vllm_stats = StatsTracker(self.counters, lambda: self.store.io.stats.totals())
         self._closed_store = False
         if spec.is_scheduler:
-            self._sched, self._scheduler_store, self._reporter, self._warm_server = build_scheduler(
-                spec, self.counters, self._block_ids
-            )
+            half = build_scheduler(spec, self.counters, self._block_ids)
+            self._sched, self._scheduler_store, self._reporter, self._warm_server, self._events = half
         else:
             self._worker = build_worker(spec, self.counters, kv_cache_config)
 
@@ -137,6 +138,10 @@ class KVPrefetchConnector(KVConnectorBase_V1):
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KVPrefetchPromMetrics:
         return KVPrefetchPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    def take_events(self) -> list[Any]:
+        """The tiers' KV events since the last step (`events`): vLLM publishes them with its own blocks'."""
+        return self._events.take() if self._events is not None else []
+
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
         tokens = self._sched.hit_tokens(request.request_id) if self._sched is not None else {}
         return vllm_hit_sources(tokens, num_external_tokens)
@@ -148,6 +153,8 @@ class KVPrefetchConnector(KVConnectorBase_V1):
             self._worker.shutdown()  # waits for its saves and the store's write-back
         if self._warm_server is not None:
             self._warm_server.close()
+        if self._events is not None:
+            self._events.close()
         if self._sched is not None:
             self._sched.leases.close()
         if self._reporter is not None:

@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvprefetch.keys import ChunkKeyer
 from kvprefetch.tiers.chunk_format import image_bytes
@@ -58,6 +58,9 @@ from kvprefetch.vllm.metrics import ConnectorCounters, RankCounters, hit_counter
 from kvprefetch.vllm.settings import ConnectorSettings, LoadMode
 from kvprefetch.vllm.store_api import ReadHandle, SchedulerStore
 from kvprefetch.vllm.timeline import timeline
+
+if TYPE_CHECKING:
+    from kvprefetch.vllm.events import TierEvents
 
 _DRAM = "dram"  # `Tier.DRAM`'s value (a StrEnum: equal to it), without importing the store here
 PROBE_CHUNKS = 4  # chunks a disk probe reads: the disk meter's sample (`TierMeter.sample_ops`)
@@ -214,9 +217,10 @@ class SchedulerSide:
         counters: ConnectorCounters,
         get_block_ids: Callable[[str], list[int]] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        events: TierEvents | None = None,
     ):
         """``keyer``: any rank's keyer (every rank's is derived from it); ``chunk_bytes``: one rank's part of a
-        chunk (what one key holds)."""
+        chunk (what one key holds); ``events``: the KV events' notes of every chunk keyed (``--kv-events-config``)."""
         self.settings = settings
         self.keyers = keyer.rank_keyers()
         self.tp_size = len(self.keyers)
@@ -264,6 +268,7 @@ class SchedulerSide:
         self._landed = threading.Condition()  # notified as each read of `_start_reads` lands (`_wait_parked`)
         self._landings = 0
         self.timeline = timeline()
+        self.events = events
 
     # ---- keys and lookup ------------------------------------------------------------------------------------
     def _keys(self, st: _Req, num_tokens: int) -> int:
@@ -272,6 +277,8 @@ class SchedulerSide:
         if not st.keys or len(st.keys[0]) < n:
             tokens = list(st.request.all_token_ids[: n * self.chunk_tokens])
             st.keys = [k.keys(tokens) for k in self.keyers]
+            if self.events is not None:
+                self.events.note(st.request, st.keys, n)
         return n
 
     def _lookup(self, st: _Req, n: int) -> _Hit:

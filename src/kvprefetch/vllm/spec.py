@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvprefetch.keys import ChunkKeyer, KVNamespace
 from kvprefetch.vllm.compat import KVConnectorRole, check_version, num_blocks_of, single_attention_group
+from kvprefetch.vllm.events import TierEvents
 from kvprefetch.vllm.layout import ChunkGeometry, effective_chunk_tokens, geometry_from_spec
 from kvprefetch.vllm.metrics import ConnectorCounters, Reporter
 from kvprefetch.vllm.scheduler import SchedulerSide
@@ -41,6 +42,9 @@ class ConnectorSpec:
     namespace: KVNamespace
     keyer: ChunkKeyer
     engine_id: str | None  # vLLM's engine id: names the warm-up API's socket
+    kv_events: bool = False  # vLLM publishes KV events (--kv-events-config): the tiers' too (`events`)
+    spec_kind: str = "full_attention"  # the attention group's kind, as vLLM's KV events name it
+    hash_algo: str = "sha256"  # vLLM's prefix-caching hash function (the KV events' hash space)
 
     @property
     def block_size(self) -> int:
@@ -66,8 +70,17 @@ def connector_spec(vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any
     rank = 0 if is_scheduler or tp_size == 1 else _tp_rank()
     namespace = namespace_for(vllm_config, attention, len(layer_names), settings, rank)
     keyer = ChunkKeyer(namespace, chunk_tokens)
+    events = getattr(vllm_config, "kv_events_config", None)
     return ConnectorSpec(settings, is_scheduler, tuple(layer_names), geo, rank, namespace, keyer,
-                         getattr(transfer, "engine_id", None))  # fmt: skip
+                         getattr(transfer, "engine_id", None), bool(events and events.enable_kv_cache_events),
+                         _spec_kind(attention),
+                         str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")))  # fmt: skip
+
+
+def _spec_kind(attention: Any) -> str:
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+    return str(get_kv_cache_spec_kind(attention).value)
 
 
 def use_load_failure_policy(kv_transfer_config: Any, settings: ConnectorSettings) -> None:
@@ -84,6 +97,7 @@ class SchedulerHalf(NamedTuple):
     store: ConnectorStore
     reporter: Reporter
     warm_server: WarmServer | None
+    events: TierEvents | None  # the tiers' KV events (`events`), when vLLM publishes them
 
 
 def build_scheduler(
@@ -91,9 +105,10 @@ def build_scheduler(
 ) -> SchedulerHalf:
     settings, geo = spec.settings, spec.geo
     store = open_store(settings, geo.chunk_bytes)
+    events = _tier_events(spec, store) if spec.kv_events else None
     side = SchedulerSide(settings, spec.keyer, store, block_size=geo.block_size,
                          blocks_per_chunk=geo.blocks_per_chunk, chunk_bytes=geo.chunk_bytes, counters=counters,
-                         get_block_ids=get_block_ids)  # fmt: skip
+                         get_block_ids=get_block_ids, events=events)  # fmt: skip
     reporter = Reporter(
         counters, store.stats, interval_s=settings.log_interval_s,
         metrics_dir=settings.metrics_dir, metrics_port=settings.metrics_port, serve=True,
@@ -105,7 +120,16 @@ def build_scheduler(
         spec.chunk_tokens, geo.chunk_bytes, spec.namespace.tp_size, "on" if settings.prefetch else "off",
         settings.load_mode, spec.namespace.short_id,
     )  # fmt: skip
-    return SchedulerHalf(side, store, reporter, warm_server)
+    return SchedulerHalf(side, store, reporter, warm_server, events)
+
+
+def _tier_events(spec: ConnectorSpec, store: ConnectorStore) -> TierEvents:
+    """The tiers' KV events, started; their node catalog beside the disk tier's chunks (a dot directory, which
+    the disk tier leaves alone)."""
+    config = spec.settings.store
+    catalog = config.disk.path / ".events" if config.disk_enabled else None
+    return TierEvents(store, spec.block_size, spec.geo.blocks_per_chunk, spec.spec_kind, catalog_dir=catalog,
+                      hash_algo=spec.hash_algo).start()  # fmt: skip
 
 
 def build_worker(spec: ConnectorSpec, counters: ConnectorCounters, kv_cache_config: Any) -> WorkerSide:

@@ -69,6 +69,10 @@ class SchedulerStore(Protocol):
 
     def in_dram(self, keys: Sequence[bytes]) -> list[bool]: ...
 
+    def residency(self, keys: Sequence[bytes]) -> list[frozenset[str]]:
+        """Every tier holding each key now (`Tier` values), asked of the tiers themselves (the KV events)."""
+        ...
+
     def writing(self, key: bytes) -> bool:
         """Whether key is being written into DRAM now, by any process: a miss about to be a hit."""
         ...

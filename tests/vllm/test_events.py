@@ -1,0 +1,147 @@
+"""`TierEvents` on its own: what a pass over the tiers announces (`reconcile`), against a store whose tiers the
+test sets (the scheduler tests' fake), with requests as vLLM hands them over (their blocks' hashes)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from fake_store import FakeStore
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+from kvprefetch.vllm.events import TierEvents
+
+BLOCK, PER = 4, 2  # tokens a block, blocks a chunk
+
+
+def request(n_chunks: int, **extra) -> SimpleNamespace:
+    tokens = list(range(100, 100 + n_chunks * BLOCK * PER + 3))  # whole chunks and a partial block
+    hashes = [bytes([j]) * 32 for j in range(len(tokens) // BLOCK)]
+    return SimpleNamespace(all_token_ids=tokens, block_hashes=hashes, **extra)
+
+
+def keys(n_chunks: int, ranks: int = 1) -> list[list[bytes]]:
+    return [[bytes([r, i]) * 16 for i in range(n_chunks)] for r in range(ranks)]
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def events_for(store: FakeStore, clock=None) -> TierEvents:
+    return TierEvents(store, BLOCK, PER, forget_s=60.0, **({"clock": clock} if clock else {}))
+
+
+def test_a_chunk_is_announced_where_it_is_in_vllms_hash_space_and_removed_when_it_leaves():
+    store, req, ks = FakeStore(), request(2), keys(2)
+    ev = events_for(store)
+    ev.note(req, ks, 2)
+    assert ev.reconcile() == 0 and ev.take() == []  # noted, in no tier: nothing to say
+    store.tiers[ks[0][0]], store.tiers[ks[0][1]] = "dram", "disk"
+    ev.reconcile()
+    stored = ev.take()
+    assert [(e.medium, e.locality, e.ownership) for e in stored] == [
+        ("CPU", "LOCAL", "kvprefetch-dram"), ("STORAGE", "LOCAL", "kvprefetch-disk")]  # fmt: skip
+    first, second = stored
+    assert isinstance(first, BlockStored) and first.block_size == BLOCK
+    assert first.block_hashes == [maybe_convert_block_hash(h) for h in req.block_hashes[:PER]]
+    assert first.parent_block_hash is None and first.token_ids == req.all_token_ids[: BLOCK * PER]
+    assert second.parent_block_hash == maybe_convert_block_hash(req.block_hashes[PER - 1])
+    assert ev.reconcile() == 0  # nothing changed: nothing said twice
+    del store.tiers[ks[0][1]]
+    ev.reconcile()
+    (gone,) = ev.take()
+    assert isinstance(gone, BlockRemoved) and gone.medium == "STORAGE" and gone.block_hashes == second.block_hashes
+
+
+def test_with_tensor_parallelism_a_chunk_is_in_a_tier_only_when_every_rank_is():
+    store, req, ks = FakeStore(), request(1), keys(1, ranks=2)
+    ev = events_for(store)
+    ev.note(req, ks, 1)
+    store.tiers[ks[0][0]] = "dram"
+    assert ev.reconcile() == 0
+    store.tiers[ks[1][0]] = "dram"
+    assert ev.reconcile() == 1
+
+
+def test_requests_whose_hashes_carry_more_than_tokens_are_not_announced():
+    store, ks = FakeStore(), keys(1)
+    ev = events_for(store)
+    for extra in ({"cache_salt": "tenant-a"}, {"lora_request": object()}, {"mm_features": [object()]}):
+        ev.note(request(1, **extra), ks, 1)
+    store.tiers[ks[0][0]] = "dram"
+    assert ev.reconcile() == 0
+
+
+def test_a_chunk_no_tier_holds_is_forgotten_after_a_while_and_a_tier_that_fails_changes_nothing():
+    store, req, ks, clock = FakeStore(), request(2), keys(2), Clock()
+    ev = events_for(store, clock)
+    ev.note(req, ks, 2)
+    store.tiers[ks[0][0]] = "dram"
+    ev.reconcile()
+    clock.t = 61.0
+    ev.reconcile()  # chunk 1 was never held: forgotten; chunk 0 is held: kept
+    assert len(ev._noted) == 1
+    ev.take()
+
+    def fail(keys):
+        raise ConnectionError("remote down")
+
+    store.residency = fail
+    del store.tiers[ks[0][0]]
+    assert ev.reconcile() == 0  # no answer: what was announced stands until the tiers answer again
+
+
+@pytest.fixture
+def hash_seed():
+    """vLLM's hash seed (NONE_HASH), which its engine core sets; the catalog's file is named by it."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    before = getattr(kv_cache_utils, "NONE_HASH", None)
+    kv_cache_utils.init_none_hash(get_hash_fn_by_name("sha256"))
+    yield
+    if before is None:
+        del kv_cache_utils.NONE_HASH
+    else:
+        kv_cache_utils.NONE_HASH = before
+
+
+def test_engines_on_one_node_announce_each_others_chunks_through_the_catalog(tmp_path, hash_seed):
+    store, req, ks = FakeStore(), request(2), keys(2)
+    a = TierEvents(store, BLOCK, PER, catalog_dir=tmp_path)
+    b = TierEvents(store, BLOCK, PER, catalog_dir=tmp_path)  # the same tiers, another engine: keyed nothing
+    a.note(req, ks, 2)
+    store.tiers[ks[0][0]] = "disk"
+    a.reconcile()
+    b.reconcile()
+    (ours,), (theirs,) = a.take(), b.take()
+    assert theirs == ours and theirs.medium == "STORAGE"
+    restarted = TierEvents(store, BLOCK, PER, catalog_dir=tmp_path)  # a new engine: what the disk holds
+    restarted.reconcile()
+    assert restarted.take() == [ours]
+    # a line cut short by a writer killed mid-write is skipped, and the lines after it are read
+    (catalog,) = tmp_path.glob("*.jsonl")
+    with open(catalog, "a") as f:
+        f.write('{"k": ["00"], "h": [1, 2]')
+    c = TierEvents(store, BLOCK, PER, catalog_dir=tmp_path)
+    c.reconcile()
+    assert c.take() == [ours]
+
+
+def test_a_catalog_is_per_hash_space(tmp_path, hash_seed):
+    store, ks = FakeStore(), keys(1)
+    a = TierEvents(store, BLOCK, PER, catalog_dir=tmp_path)
+    a.note(request(1), ks, 1)
+    store.tiers[ks[0][0]] = "dram"
+    a.reconcile()
+    other = TierEvents(store, BLOCK, PER, catalog_dir=tmp_path, hash_algo="xxhash")
+    assert other.reconcile() == 0 and len(list(tmp_path.glob("*.jsonl"))) == 1
