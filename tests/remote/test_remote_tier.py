@@ -46,6 +46,20 @@ def test_history_computed_on_node_a_is_a_hit_on_node_b(open_node, keyer, remote)
     assert node_b.lookup(keys).tiers == [Tier.DRAM] * 6, "a remote read lands in DRAM"
 
 
+def test_residency_names_every_tier_holding_a_key_as_the_tiers_answer_now(open_node, keyer, redis_server):
+    """What the KV events announce: each tier asked itself, whoever changed it (not this process's index)."""
+    remote = remote_section("redis", redis_server=redis_server)
+    node_a, node_b = open_node(remote), open_node(remote)
+    keys = keyer.keys(range(16 * 3))
+    node_a.put(keys, [chunk_payload(k) for k in keys]).result(30)
+    assert node_a.residency(keys) == [frozenset({Tier.DRAM, Tier.DISK, Tier.REMOTE})] * 3
+    assert node_b.residency(keys) == [frozenset({Tier.REMOTE})] * 3
+    node_a.disk.path_of(keys[0]).unlink()  # removed behind the store's back (another process, `status --gc`)
+    node_a.dram.discard(keys[1])
+    assert node_a.disk.contains(keys[0]), "(its index still lists the file)"
+    assert node_a.residency(keys[:2]) == [frozenset({Tier.DRAM, Tier.REMOTE}), frozenset({Tier.DISK, Tier.REMOTE})]
+
+
 def test_prefetch_pulls_remote_hits_into_dram(open_node, keyer, remote):
     node_a, node_b = open_node(remote), open_node(remote)
     keys = keyer.keys(range(16 * 4))

@@ -62,6 +62,16 @@ def test_a_chunk_is_announced_where_it_is_in_vllms_hash_space_and_removed_when_i
     assert isinstance(gone, BlockRemoved) and gone.medium == "STORAGE" and gone.block_hashes == second.block_hashes
 
 
+def test_the_shared_pool_is_storage_and_remote():
+    store, req, ks = FakeStore(), request(1), keys(1)
+    ev = events_for(store)
+    ev.note(req, ks, 1)
+    store.tiers[ks[0][0]] = "remote"
+    ev.reconcile()
+    (e,) = ev.take()
+    assert (e.medium, e.locality, e.ownership) == ("STORAGE", "REMOTE", "kvprefetch-pool")
+
+
 def test_with_tensor_parallelism_a_chunk_is_in_a_tier_only_when_every_rank_is():
     store, req, ks = FakeStore(), request(1), keys(1, ranks=2)
     ev = events_for(store)

@@ -35,6 +35,7 @@ import logging
 import os
 import threading
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,7 @@ log = logging.getLogger("kvprefetch.vllm")
 
 PERIOD_S = 0.5  # how often the tiers are asked what they hold: how late a router learns of a change, at most
 FORGET_S = 60.0  # a noted chunk no tier has held for this long is no longer asked about
+MAX_SHARE = 0.1  # of a core the passes may take (each stats every noted chunk's file): longer waits past that
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ class ChunkBlocks:
 
     hashes: tuple[int | bytes, ...]
     parent: int | bytes | None
-    token_ids: tuple[int, ...]
+    token_ids: array  # (4 bytes a token: a chunk's tokens are most of what is kept of it)
 
 
 @dataclass
@@ -128,7 +130,7 @@ class NodeCatalog:
         for line in data[:end].splitlines():
             try:
                 d = json.loads(line)
-                blocks = ChunkBlocks(tuple(_hash_of(h) for h in d["h"]), _hash_of(d["p"]), tuple(d["t"]))
+                blocks = ChunkBlocks(tuple(_hash_of(h) for h in d["h"]), _hash_of(d["p"]), array("i", d["t"]))
                 out.append((tuple(bytes.fromhex(k) for k in d["k"]), blocks))
             except (ValueError, KeyError, TypeError):
                 continue  # cut short or damaged: that chunk is announced by the engine that keyed it only
@@ -159,7 +161,7 @@ def chunk_blocks(request: Any, i: int, chunk_tokens: int, blocks_per_chunk: int,
     return ChunkBlocks(
         tuple(convert(h) for h in hashes[first : first + blocks_per_chunk]),
         convert(hashes[first - 1]) if first else None,
-        tuple(request.all_token_ids[i * chunk_tokens : (i + 1) * chunk_tokens]),
+        array("i", request.all_token_ids[i * chunk_tokens : (i + 1) * chunk_tokens]),
     )
 
 
@@ -216,8 +218,9 @@ class TierEvents:
     def reconcile(self) -> int:
         """Ask the tiers what they hold of the noted chunks (the node's catalog's included), queue what changed
         since the last pass (stores first, then removals, grouped per tier), catalog the chunks this engine
-        announced first, forget chunks no tier has held for `forget_s` (unless cataloged: the catalog is read
-        once, and another engine may put them back); the number of events queued."""
+        announced first (again when it comes back after leaving every tier: another engine may have forgotten
+        it meanwhile), forget chunks no tier has held for `forget_s`; the number of events queued. What is kept is
+        what the tiers hold and what left them lately, whatever the catalog's length."""
         self._read_catalog()
         with self._lock:
             noted = list(self._noted.items())
@@ -230,6 +233,8 @@ class TierEvents:
                 stored.append(self._stored_event(c.blocks, TIER_EVENTS[tier]))
             for tier in sorted(c.announced - tiers):
                 removed.setdefault(tier, []).extend(c.blocks.hashes)
+            if c.announced and not tiers:
+                c.cataloged = False
             c.announced = tiers
             if tiers:
                 c.seen = now
@@ -237,7 +242,7 @@ class TierEvents:
         self._write_catalog([(ck, c) for ck, c in noted if c.announced and not c.cataloged])
         with self._lock:
             for ck, c in noted:
-                if not c.announced and not c.cataloged and now - c.seen > self.forget_s:
+                if not c.announced and now - c.seen > self.forget_s:
                     self._noted.pop(ck, None)
             self._queue.extend(events)
         return len(events)
@@ -312,11 +317,15 @@ class TierEvents:
         return self
 
     def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
+        """A pass every `period_s`, or longer where passes are long (many chunks): at most `MAX_SHARE` of a core."""
+        wait = self.period_s
+        while not self._stop.wait(wait):
+            t0 = time.perf_counter()
             try:
                 self.reconcile()
             except Exception:  # never let the thread die: the next pass tries again
                 log.exception("kvprefetch: KV events: a pass failed")
+            wait = max(self.period_s, (time.perf_counter() - t0) / MAX_SHARE)
 
     def close(self) -> None:
         self._stop.set()
