@@ -14,12 +14,29 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from kvprefetch.bench import protocol as P
 from kvprefetch.bench.zygote import ENV as ZYGOTE_ENV  # its socket: engines forked from it
 
 
 class EngineError(RuntimeError):
     pass
+
+
+def shm_mapped_by_group(pgid: int) -> set[Path]:
+    """The shared-memory segments of Python's `multiprocessing.shared_memory` (/dev/shm/psm_*) that the processes
+    of a process group map: an engine's and its workers' vLLM message queues (~400 MB an engine), which only
+    the executor's shutdown unlinks, so a killed engine leaves them in RAM until the next reboot."""
+    found: set[Path] = set()
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) != pgid:
+                continue
+            found |= {Path(m.path) for m in proc.memory_maps() if m.path.startswith("/dev/shm/psm_")}
+        except (psutil.Error, ProcessLookupError):
+            continue  # gone meanwhile, or not ours to read
+    return found
 
 
 class ForkedProcess:
@@ -176,10 +193,15 @@ class EngineProcess:
         return msg
 
     def kill(self) -> None:
-        """End the engine now (SIGKILL), as when this process is interrupted: no graceful exit to wait for."""
+        """End the engine now (SIGKILL), as when this process is interrupted: no graceful exit to wait for. What
+        vLLM's executor would have unlinked at its shutdown (its message queues' shared memory) goes with it."""
+        segments = shm_mapped_by_group(self.proc.pid) if self.proc.poll() is None else set()
         self.proc.kill()
         self.proc.wait()
         self._end_group()
+        for path in segments:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
         self._log.close()
 
     def _end_group(self) -> None:
@@ -200,7 +222,7 @@ class EngineProcess:
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                self.kill()
+                return
         self._end_group()
         self._log.close()

@@ -157,7 +157,7 @@ def pin_to_host(spec: P.EngineSpec) -> None:
     workers that no one bound (its mask still the whole machine) on the host cores, as if the process had taken
     them before it started any (vLLM bound the workers' OpenMP threads, the model's main thread among them, to
     the model's cores; the connector its own threads to ``io.cpus``)."""
-    import psutil  # vLLM's dependency (this process runs vLLM)
+    import psutil
 
     if spec.topology is None:
         return
