@@ -3,7 +3,7 @@ VENV  := .venv
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup test test-fast bench lint soak
+.PHONY: setup test test-fast bench lint soak soak-serve
 
 setup: $(STAMP)
 
@@ -28,3 +28,8 @@ lint: setup
 # one disk directory, crash points armed at random, flipped file bytes, a full tmpfs (as root); one summary line
 soak: setup
 	PYTHONPATH=src $(BIN)/python -m tests.store.soak --kills 1000 --seed 20
+
+# not in CI (which runs a 90-second cut of it): `kvprefetch serve` with every tier under a multi-turn load for
+# SOAK_S seconds, faults injected on a seeded schedule, every answer checked against vLLM alone; one summary line
+soak-serve: setup
+	$(BIN)/kvprefetch soak-serve --seconds $${SOAK_S:-900} --out soak-serve-out

@@ -45,6 +45,7 @@ def _register_subcommands() -> None:
     from kvprefetch.bench.micro.poolbench_cli import register as register_poolbench
     from kvprefetch.bench.micro.remotebench_cli import register as register_remotebench
     from kvprefetch.bench.serve_bench_cli import register as register_bench_serve
+    from kvprefetch.bench.soak_serve import register as register_soak_serve
     from kvprefetch.events_cli import register as register_events
     from kvprefetch.serve_cli import register as register_serve
     from kvprefetch.sim.cli import register as register_sim
@@ -62,6 +63,7 @@ def _register_subcommands() -> None:
     register_serve(app)
     register_bench_serve(app)
     register_events(app)
+    register_soak_serve(app)
 
 
 _register_subcommands()
