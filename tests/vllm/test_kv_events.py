@@ -41,6 +41,15 @@ PROMPTS = 6  # of 3 chunks each: 18 chunks through a DRAM tier of 4 and a disk t
 SETTLE_S = 1.5  # over two of the events' reconcile periods (`events.PERIOD_S`)
 
 
+def gpu_hashes(gpu_blocks: dict[tuple, int | bytes], tokens: list[int], block_size: int) -> list:
+    """The hashes vLLM published for the GPU blocks of these tokens, block by block (`Router.gpu_blocks`)."""
+    out, parent = [], None
+    for j in range(len(tokens) // block_size):
+        parent = gpu_blocks[(parent, tuple(tokens[j * block_size : (j + 1) * block_size]))]
+        out.append(parent)
+    return out
+
+
 class Router:
     """A router's view, built from the events alone: the block hashes each (medium, locality) holds, and the
     GPU's blocks by (parent hash, tokens)."""
@@ -72,14 +81,6 @@ class Router:
                     parent = h
         elif isinstance(e, BlockRemoved):
             self.index[where].difference_update(e.block_hashes)
-
-    def gpu_hashes(self, tokens: list[int], block_size: int) -> list:
-        """The hashes vLLM published for the GPU blocks of these tokens, block by block."""
-        out, parent = [], None
-        for j in range(len(tokens) // block_size):
-            parent = self.gpu_blocks[(parent, tuple(tokens[j * block_size : (j + 1) * block_size]))]
-            out.append(parent)
-        return out
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -173,14 +174,13 @@ def test_the_index_a_router_builds_from_each_engines_events_equals_what_the_node
 
     # every chunk: its key (rank 0's: TP 1), the hashes vLLM published for its GPU blocks (on either engine),
     # the one before, its tokens
-    gpu = Router.__new__(Router)
-    gpu.gpu_blocks = router_a.gpu_blocks | router_b.gpu_blocks
+    gpu_blocks = router_a.gpu_blocks | router_b.gpu_blocks
     chunk_hashes: dict[str, list] = {}
     chunk_parent: dict[str, int | bytes | None] = {}
     chunk_tokens: dict[str, list[int]] = {}
     per = CHUNK // block
     for p in prompts:
-        hashes = gpu.gpu_hashes(p, block)
+        hashes = gpu_hashes(gpu_blocks, p, block)
         for i, k in enumerate(a.call(P.ChunkKeys(tokens=p)).keys[0]):
             chunk_hashes[k] = hashes[i * per : (i + 1) * per]
             chunk_parent[k] = hashes[i * per - 1] if i else None

@@ -45,7 +45,6 @@ class ForkedProcess:
     child: its end is seen through a pidfd, and its exit code is unknown (reported as 0; a kill as -9)."""
 
     def __init__(self, zygote: str, spec_json: str, env: dict[str, str], stderr) -> None:
-        import json
         import socket
 
         stdin_r, stdin_w = os.pipe()

@@ -677,9 +677,9 @@ def op_geometry(child: EngineChild, req: P.Geometry) -> P.GeometryReply:
 
 def op_chunk_keys(child: EngineChild, req: P.ChunkKeys) -> P.KeysReply:
     c = _scheduler_connector()
-    if c is None or c._sched is None:
+    if c is None:
         raise RuntimeError("chunk_keys needs the kvprefetch connector")
-    return P.KeysReply(keys=[[k.hex() for k in keyer.keys(req.tokens)] for keyer in c._sched.keyers])
+    return P.KeysReply(keys=[[k.hex() for k in keyer.keys(req.tokens)] for keyer in c.keyer.rank_keyers()])
 
 
 def op_generate(child: EngineChild, req: P.Generate) -> P.Generated:

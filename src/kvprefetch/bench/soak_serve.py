@@ -29,6 +29,7 @@ import psutil
 import typer
 
 from kvprefetch.bench.local_servers import RedisServer
+from kvprefetch.bench.modes import remote_section
 from kvprefetch.bench.server import OpenAIServer, free_port, metric_sum
 from kvprefetch.tiers.dram import SHM_DIR
 
@@ -193,7 +194,7 @@ class Soak:
                 "--max-model-len", "4096", "--kv-cache-memory-bytes", str(32 << 20), "--max-num-seqs", "4"]  # fmt: skip
         if redis is None:
             return [*argv, "--no-connector"]
-        remote = {"backend": "redis", "redis": {"url": redis.url}, "timeout_s": 1.0, "retry_after_s": 2.0}
+        remote = remote_section("redis", redis) | {"timeout_s": 1.0, "retry_after_s": 2.0}
         extra = {"tiers": ["dram", "disk", "remote"], "chunk_tokens": 256, "log_interval_s": 0,
                  "dram": {"pool_name": self.pool, "capacity_bytes": "48MiB", "keep_idle_s": 0},
                  "disk": {"path": str(self.disk), "capacity_bytes": "256MiB"}, "remote": remote}  # fmt: skip

@@ -288,7 +288,7 @@ class TierEvents:
         """Per chunk, the tiers holding every rank's part (one residency query for every key)."""
         flat = [k for ck in chunks for k in ck]
         try:
-            per_key = [frozenset(str(getattr(t, "value", t)) for t in ts) for ts in self.store.residency(flat)]
+            per_key = [frozenset(map(str, ts)) for ts in self.store.residency(flat)]  # (`Tier` is a StrEnum)
         except Exception as err:  # a tier that fails to answer: nothing changes this pass
             log.warning("kvprefetch: KV events: the tiers did not answer (%s); retried in %.1f s", err, self.period_s)
             with self._lock:
