@@ -14,6 +14,7 @@ request: a chunk that cannot be read is a miss, and `get_into` reports how many 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -25,13 +26,15 @@ import numpy as np
 
 from kvprefetch.config import StoreConfig
 from kvprefetch.crashpoints import crash_point
+from kvprefetch.episodes import EpisodeLog
 from kvprefetch.io.engine import IOClass, IOEngine, IOTicket
 from kvprefetch.tiers.access import FileAccess
 from kvprefetch.tiers.chunk_format import HEADER_BYTES, CorruptChunk, image_bytes, write_header
-from kvprefetch.tiers.disk import ChunkMissing, DiskTier, aligned_buffer
+from kvprefetch.tiers.disk import ChunkMissing, DiskFullError, DiskTier, aligned_buffer
 from kvprefetch.tiers.dram import SHM_DIR, SharedChunkPool, pool_directory
+from kvprefetch.tiers.errors import ErrorKind, ErrorTally
 from kvprefetch.tiers.memory import copy_bytes
-from kvprefetch.tiers.remote import RemoteRejected, RemoteTier, open_backend
+from kvprefetch.tiers.remote import RemoteRejected, RemoteTier, RemoteUnavailable, open_backend
 from kvprefetch.tiers.staging import StagingBuffers
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,21 @@ class Tier(StrEnum):
     DRAM = "dram"
     DISK = "disk"
     REMOTE = "remote"
+
+
+def error_kind(err: BaseException) -> ErrorKind:
+    """The kind of a failure the tiers raise (checked most specific first: the remote's errors are OSErrors)."""
+    if isinstance(err, CorruptChunk):
+        return ErrorKind.CORRUPT
+    if isinstance(err, ChunkMissing):
+        return ErrorKind.MISSING
+    if isinstance(err, RemoteUnavailable):
+        return ErrorKind.UNAVAILABLE
+    if isinstance(err, RemoteRejected):
+        return ErrorKind.REJECTED
+    if isinstance(err, DiskFullError) or (isinstance(err, OSError) and err.errno == errno.ENOSPC):
+        return ErrorKind.NO_SPACE
+    return ErrorKind.IO
 
 
 @dataclass
@@ -144,6 +162,7 @@ class TieredStore:
         self.image_bytes = image_bytes(chunk_bytes)
         self.access = FileAccess.for_group(config.share_group)
         self.dram = open_pool(config, self.image_bytes, self.access)
+        self.errors = ErrorTally()  # failures per (tier, kind), for /metrics
         self.disk: DiskTier | None = None
         if config.disk_enabled:
             d = config.disk
@@ -154,7 +173,7 @@ class TieredStore:
         self.remote: RemoteTier | None = None
         if config.remote_enabled:
             r = config.remote
-            self.remote = RemoteTier(open_backend(r), r.key_prefix, r.retry_after_s)
+            self.remote = RemoteTier(open_backend(r), r.key_prefix, r.retry_after_s, self.errors)
             self.remote.backend.register_memory(self.dram.data_view())
         self._remote_written: set[bytes] = set()
         self._hits: dict[bytes, int] = {}
@@ -177,7 +196,7 @@ class TieredStore:
             "remote_hits": 0,
             "remote_writes": 0,
         }
-        self._warned: set[str] = set()
+        self._episodes = EpisodeLog(log)
 
     # ---- lookup ------------------------------------------------------------------------------------------
     def _tiers_of(self, keys: Sequence[bytes]) -> list[Tier | None]:
@@ -253,7 +272,7 @@ class TieredStore:
             crash_point("store.promote.read")
         except (ChunkMissing, CorruptChunk, OSError) as err:  # RemoteUnavailable is a ConnectionError
             self.dram.abort(slot)
-            self._load_failed(key, err)
+            self._load_failed(key, err, source)
             raise
         except BaseException:
             self.dram.abort(slot)
@@ -337,7 +356,7 @@ class TieredStore:
         for (key, slot), result in zip(slots.items(), results, strict=True):
             if isinstance(result, Exception):
                 self.dram.abort(slot)
-                self._load_failed(key, result)
+                self._load_failed(key, result, Tier.REMOTE)
                 out[key] = False
             else:
                 self.dram.commit(slot)
@@ -432,12 +451,12 @@ class TieredStore:
             payload = self.dram.payload(slot, key)
         except CorruptChunk as err:  # a miss, and the slot is dropped (unless another reader pins it still)
             self.dram.release(slot)
-            self._load_failed(key, err)
+            self._load_failed(key, err, Tier.DRAM)
             self.dram.discard(key)
             return False
         try:
             if len(payload) != len(dst):
-                self._load_failed(key, CorruptChunk(f"chunk of {len(payload)} B into a {len(dst)} B buffer"))
+                self._load_failed(key, CorruptChunk(f"chunk of {len(payload)} B into a {len(dst)} B buffer"), Tier.DRAM)
                 return False
             copy_bytes(dst, payload)
         finally:
@@ -465,20 +484,26 @@ class TieredStore:
         try:
             image, nbytes = self.disk.read_bounce(key, self.chunk_bytes)
         except (ChunkMissing, CorruptChunk, OSError) as err:
-            self._load_failed(key, err)
+            self._load_failed(key, err, Tier.DISK)
             return False
         copy_bytes(dst, image[HEADER_BYTES : HEADER_BYTES + nbytes])
         self.counters["disk_hits"] += 1
         return True
 
-    def _load_failed(self, key: bytes, err: BaseException) -> None:
+    def _load_failed(self, key: bytes, err: BaseException, tier: Tier) -> None:
         self.counters["load_errors"] += 1
-        cause = type(err).__name__
-        if cause not in self._warned:
-            self._warned.add(cause)
-            log.warning(
-                "kvprefetch: chunk load failed (%s: %s); treating it as a miss (logged once per cause)", cause, err
-            )
+        self._tally(tier, err)
+        if isinstance(err, RemoteUnavailable):
+            return  # the remote tier logged its outage
+        cause = f"{tier.value}:{type(err).__name__}"
+        self._episodes.warn(cause, "kvprefetch: %s chunk load failed (%s: %s); treating it as a miss (logged once"
+                            " per episode)", tier.value, type(err).__name__, err)  # fmt: skip
+
+    def _tally(self, tier: Tier, err: BaseException) -> None:
+        """Count a failure by tier and kind. An unreachable remote is counted by the remote tier, once per failed
+        attempt, not per chunk its outage turned into a miss (nor while it is marked down)."""
+        if not isinstance(err, RemoteUnavailable):
+            self.errors.add(tier.value, error_kind(err))
 
     @contextlib.contextmanager
     def view(self, keys: Sequence[bytes]):
@@ -498,7 +523,7 @@ class TieredStore:
                 try:
                     views.append(self.dram.payload(slot, key).toreadonly())
                 except CorruptChunk as err:  # a miss ends the prefix (the next get_into drops the slot)
-                    self._load_failed(key, err)
+                    self._load_failed(key, err, Tier.DRAM)
                     break
             self.counters["dram_hits"] += len(views)
             yield views
@@ -571,8 +596,9 @@ class TieredStore:
                 disk.write(key, image)
                 crash_point("store.writeback.written")
                 return True
-            except OSError:
+            except OSError as err:
                 self.counters["writeback_errors"] += 1
+                self._tally(Tier.DISK, err)
                 raise
             finally:
                 if slot is not None:
@@ -592,8 +618,9 @@ class TieredStore:
                 crash_point("store.remote_write.acked")
                 self.counters["remote_writes"] += 1
                 return True
-            except (ConnectionError, RemoteRejected):
+            except (ConnectionError, RemoteRejected) as err:
                 self._remote_written.discard(key)
+                self._tally(Tier.REMOTE, err)
                 return False
             finally:
                 self.dram.release(slot)
@@ -626,6 +653,7 @@ class TieredStore:
             "disk": self.disk.stats() if self.disk else None,
             "remote": self.remote.stats() if self.remote else None,
             "io": self.io.stats.snapshot(),
+            "errors": self.errors.totals(),
         }
 
     def close(self) -> None:

@@ -1,20 +1,34 @@
-"""`soak-serve`'s plan, without a server: the fault schedule and the load's prompts."""
+"""`soak-serve`'s plan and judgement, without a server: the fault schedule, the load's prompts, and the checks and
+tables the report draws from a run's records (built here by hand)."""
 
 from __future__ import annotations
 
 from collections import Counter
 
-from kvprefetch.bench.soak_serve import FAULT_KINDS, Answer, Conversation, fault_schedule, windows
+from kvprefetch.bench.soak_faults import FAULT_KINDS, LIGHT_KINDS, fault_schedule, soak_metrics
+from kvprefetch.bench.soak_load import Conversation
+from kvprefetch.bench.soak_report import (
+    Answer,
+    FaultRecord,
+    MetricSample,
+    Sample,
+    SoakResult,
+    by_condition,
+    count_log_lines,
+    windows,
+)
 
 
 def test_every_fault_kind_comes_twice_or_more_inside_the_run_and_the_schedule_is_the_seeds():
-    for seconds in (90, 900):
-        faults = fault_schedule(seconds, seed=3)
-        kinds = Counter(f.kind for f in faults)
-        assert set(kinds) == set(FAULT_KINDS) and min(kinds.values()) >= 2 + (seconds >= 600)
-        assert all(0.1 * seconds <= f.at_s <= 0.8 * seconds for f in faults)
+    for seconds, kinds in ((90, LIGHT_KINDS), (900, FAULT_KINDS), (1800, FAULT_KINDS)):
+        faults = fault_schedule(seconds, seed=3, kinds=kinds)
+        n = Counter(f.kind for f in faults)
+        assert set(n) == set(kinds) and min(n.values()) >= max(2, int(seconds // 450))
+        assert all(0.1 * seconds <= f.at_s <= 0.85 * seconds for f in faults)
+        restarts = [f for f in faults if f.kind in ("server_term", "server_kill")]
+        assert all(f.at_s <= 0.45 * seconds for f in restarts), "restarts early: the second half is one life"
         assert [f.at_s for f in faults] == sorted(f.at_s for f in faults)
-        assert faults == fault_schedule(seconds, seed=3) != fault_schedule(seconds, seed=4)
+        assert faults == fault_schedule(seconds, 3, kinds) != fault_schedule(seconds, 4, kinds)
 
 
 def test_a_conversation_grows_by_turns_and_starts_over_before_the_context_is_full():
@@ -31,7 +45,54 @@ def test_a_conversation_grows_by_turns_and_starts_over_before_the_context_is_ful
 
 
 def test_ttft_windows_leave_out_failed_requests():
-    answers = [Answer(1.0, 0.1, True, True), Answer(2.0, 0.3, True, True), Answer(3.0, None, False, None),
-               Answer(12.0, 0.2, True, False)]  # fmt: skip
+    answers = [Answer(1.0, 1.1, 0.1, True, True), Answer(2.0, 2.3, 0.3, True, True),
+               Answer(3.0, 3.0, None, False, None), Answer(12.0, 12.2, 0.2, True, False)]  # fmt: skip
     w = windows(answers)
     assert [t for t, _, _ in w] == [0.0, 10.0] and w[0][1] == 0.2 and w[1][1] == 0.2
+
+
+def test_requests_in_the_servers_own_restart_are_apart_and_others_failing_fail_the_check():
+    r = SoakResult(600, ("server_kill", "redis_kill"))
+    r.faults = [FaultRecord("server_kill", 100, 150, "x"), FaultRecord("server_kill", 200, 240, "x"),
+                FaultRecord("redis_kill", 300, 310, "x"), FaultRecord("redis_kill", 400, 410, "x")]  # fmt: skip
+    r.answers = [Answer(99.0, 101.0, None, False, None),  # in flight when it was killed: apart
+                 Answer(120.0, 120.0, None, False, None),  # while it was down: apart
+                 Answer(305.0, 306.0, None, False, None)]  # during a redis outage: a failure  # fmt: skip
+    assert [r.apart(a) for a in r.answers] == [True, True, False]
+    assert r.failed() == 1 and len(r.counted()) == 1
+    checks = {name: ok for name, ok, _ in r.checks()}
+    assert not checks["no failed request outside restarts"]
+    assert checks["server_kill injected >= 2x"] and checks["redis_kill injected >= 2x"]
+    assert not checks["redis_kill in /metrics"], "no tier error moved: the fault did not show"
+
+
+def test_counters_are_read_per_server_life_and_a_fault_shows_by_its_tier_error():
+    r = SoakResult(600, ("redis_kill",))
+    r.faults = [FaultRecord("redis_kill", 100, 110, "x")]
+    r.metrics = [MetricSample(90, 0, {"prompt": 1000, "hit/disk": 500}),
+                 MetricSample(115, 0, {"prompt": 1400, "hit/disk": 600, "err/remote/unavailable": 2}),
+                 MetricSample(300, 1, {"prompt": 100, "hit/disk": 80})]  # fmt: skip  (restarted: counters from 0)
+    assert r.fault_moved(r.faults[0]) == {"prompt": 400, "hit/disk": 100, "err/remote/unavailable": 2}
+    assert r.moved(0, 600) == {"prompt": 1500, "hit/disk": 680, "err/remote/unavailable": 2}
+    assert {name: ok for name, ok, _ in r.checks()}["redis_kill in /metrics"]
+    rows = {row["condition"]: row for row in by_condition(r)}
+    assert rows["redis_kill"]["hit_ratio"] == 0.25 and rows["redis_kill"]["tier_errors"] == {"remote/unavailable": 2}
+
+
+def test_growth_is_judged_over_the_last_long_server_life():
+    r = SoakResult(900)
+    r.samples = [Sample(t, 0, 5000.0, 100, 50, 3, 10.0) for t in range(0, 300, 5)]  # before a restart
+    r.samples += [Sample(t, 1, 1000.0 + (t >= 700) * 100, 100, 50, 3, 10.0) for t in range(300, 900, 5)]
+    assert round(r.growth("rss_mb"), 1) == 10.0  # 1000 -> 1100 over the last life's second half
+    assert r.growth("fds") == 0.0
+
+
+def test_log_lines_and_metrics_are_read_as_the_soak_reads_them():
+    logs = ["WARNING kvprefetch: remote tier redis unavailable (refused)\nINFO other\n",
+            "WARNING kvprefetch: disk chunk load failed (CorruptChunk: bad)\nWARNING disk tier: removing /x: bad\n"]
+    assert count_log_lines(logs) == {"redis_kill": 1, "disk_full": 0, "damage": 2}
+    parsed = {("vllm:prompt_tokens_by_source_total", (("source", "local_compute"),)): 70.0,
+              ("vllm:prompt_tokens_by_source_total", (("source", "local_cache_hit"),)): 30.0,
+              ("vllm:kvprefetch_hit_tokens_total", (("tier", "disk"),)): 20.0,
+              ("vllm:kvprefetch_tier_errors_total", (("kind", "corrupt"), ("tier", "disk"))): 1.0}  # fmt: skip
+    assert soak_metrics(parsed) == {"prompt": 100.0, "hit/engine": 30.0, "hit/disk": 20.0, "err/disk/corrupt": 1.0}

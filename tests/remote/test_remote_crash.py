@@ -110,6 +110,7 @@ def test_a_half_value_in_the_remote_is_a_miss_and_is_dropped(open_node, redis_se
     assert _read(reader, key) is None, "a half value is a miss"
     assert not client.exists(name), "and is dropped from the shared tier"
     assert reader.remote.counters["corrupt"] == 1
+    assert reader.errors.totals() == {"remote/corrupt": 1}
 
 
 def test_a_save_the_server_refuses_is_not_reported_stored(open_node, tmp_path):

@@ -152,9 +152,12 @@ def test_redis_killed_and_restarted_degrades_to_misses_then_reconnects(open_node
         assert _load(node_b, keys) == 0
         assert node_b.lookup(keys).num_hit_chunks == 0
         assert time.monotonic() - t0 < 5, "a dead remote must not stall requests"
+        # Counted once per failed attempt to reach it (the first lookup), not per chunk it turned into a miss.
+        assert node_b.errors.totals() == {"remote/unavailable": 1}
         more = keyer.keys(range(1000, 1000 + 16 * 2))
         node_a.put(more, [chunk_payload(k) for k in more]).result(30)  # the write-through fails quietly
         assert _load(node_a, more) == 2, "local tiers keep serving"
+        assert set(node_a.errors.totals()) == {"remote/unavailable"}  # (its I/O threads may each have tried once)
         server.start()  # empty: no persistence
         time.sleep(0.6)  # past retry_after_s
         node_a.put(keys, [chunk_payload(k) for k in keys])

@@ -82,6 +82,7 @@ def _assert_reads_as_miss_and_is_removed(store, keys, damaged):
     assert not store.disk.path_of(damaged).exists(), "damaged file must be removed"
     assert store.lookup(keys).num_hit_chunks == idx
     assert store.stats()["store"]["load_errors"] == 1
+    assert store.errors.totals() == {"disk/corrupt": 1}, "counted once, by tier and kind (for /metrics)"
     if store.disk.staging is not None:
         assert store.disk.staging.reads_staged > 0, "the staged read path must have been the one tested"
 
@@ -154,3 +155,13 @@ def test_disk_full_fails_the_writeback_cleanly_and_dram_keeps_serving(open_store
     assert store.get_into(keys, out) == 8
     assert all((o == chunk_payload(k)).all() for o, k in zip(out, keys, strict=True))
     assert store.stats()["store"]["writeback_errors"] >= 1
+    assert store.errors.totals()["disk/no_space"] == store.stats()["store"]["writeback_errors"]
+
+
+def test_a_file_removed_behind_the_stores_back_is_a_miss_counted_as_missing(disk_with_chunks):
+    store, keys = disk_with_chunks
+    store.disk.path_of(keys[2]).unlink()
+    out = [np.zeros(CHUNK_BYTES, np.uint8) for _ in keys]
+    assert store.get_into(keys, out) == 2
+    assert all((out[i] == chunk_payload(keys[i])).all() for i in range(2))
+    assert store.errors.totals() == {"disk/missing": 1}

@@ -11,6 +11,7 @@ pytest.importorskip("vllm")
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvprefetch.io.stats import IOStats
+from kvprefetch.tiers.errors import ErrorKind, ErrorTally
 from kvprefetch.vllm.compat import CacheHitSource
 from kvprefetch.vllm.metrics import ConnectorCounters
 from kvprefetch.vllm.stats import KVPrefetchPromMetrics, KVPrefetchStats, StatsTracker, vllm_hit_sources
@@ -40,7 +41,21 @@ def test_tracker_reports_what_moved_since_its_last_report():
     io.queued("disk", "prefetch", +1)
     io.dropped("disk", "prefetch", "cancelled")
     second = t.take()
-    assert second.data == {"counters": {"prefetched_chunks": 1}, "io": {"disk/prefetch": {"cancelled": 1}}}
+    assert second.data == {
+        "counters": {"prefetched_chunks": 1}, "io": {"disk/prefetch": {"cancelled": 1}}, "errors": {},
+    }  # fmt: skip
+    assert t.take() is None
+
+
+def test_tracker_reports_the_stores_failures_by_tier_and_kind():
+    counters = ConnectorCounters("worker")
+    errors = ErrorTally()
+    t = StatsTracker(counters, None, errors.totals)
+    errors.add("disk", ErrorKind.CORRUPT, 3)
+    errors.add("remote", ErrorKind.UNAVAILABLE)
+    assert t.take().data["errors"] == {"disk/corrupt": 3, "remote/unavailable": 1}
+    errors.add("disk", ErrorKind.CORRUPT)
+    assert t.take().data == {"counters": {}, "io": {}, "errors": {"disk/corrupt": 1}}
     assert t.take() is None
 
 
@@ -51,7 +66,8 @@ def test_a_closed_store_reports_counters_only():
         raise ValueError("store closed")
 
     counters.inc("worker_saved_chunks", 2)
-    assert StatsTracker(counters, closed).take().data == {"counters": {"worker_saved_chunks": 2}, "io": {}}
+    got = StatsTracker(counters, closed, closed).take().data
+    assert got == {"counters": {"worker_saved_chunks": 2}, "io": {}, "errors": {}}
 
 
 def test_stats_from_scheduler_and_workers_add_up_and_reduce_to_the_log_line():
@@ -68,6 +84,9 @@ def test_stats_from_scheduler_and_workers_add_up_and_reduce_to_the_log_line():
     assert line["disk_read_MB"] == round((5 << 20) / 1e6, 1)
     assert line["disk_read_ms"] == 10.0
     assert not total.is_empty() and KVPrefetchStats().is_empty()
+    w0.aggregate(KVPrefetchStats(data={"counters": {}, "errors": {"disk/corrupt": 2}}))
+    assert KVPrefetchStats(data={"errors": {"disk/corrupt": 1}}).aggregate(w0).data["errors"] == {"disk/corrupt": 3}
+    assert KVPrefetchStats(data={"errors": {"disk/no_space": 1}}).reduce()["errors_disk_no_space"] == 1
     # The front end rebuilds the object from the dict vLLM sent it.
     assert KVPrefetchStats(data=total.to_dict()).reduce() == line
 
@@ -108,3 +127,11 @@ def test_prometheus_series_exist_at_zero_and_count_what_vllm_observes():
     io_labels = labels | {"tier": "disk", "cls": "prefetch"}
     assert registry.get_sample_value("vllm:kvprefetch_io_bytes_total", io_labels) == 2 << 20
     assert registry.get_sample_value("vllm:kvprefetch_io_seconds_total", io_labels) == 1.0
+    for tier in ("dram", "disk"):  # every tier the config enables, every kind, from the start
+        for kind in ErrorKind:
+            want = labels | {"tier": tier, "kind": kind.value}
+            assert registry.get_sample_value("vllm:kvprefetch_tier_errors_total", want) == 0
+    prom.observe({"errors": {"disk/corrupt": 2, "disk/missing": 1}}, 0)
+    err = labels | {"tier": "disk"}
+    assert registry.get_sample_value("vllm:kvprefetch_tier_errors_total", err | {"kind": "corrupt"}) == 2
+    assert registry.get_sample_value("vllm:kvprefetch_tier_errors_total", err | {"kind": "missing"}) == 1

@@ -84,7 +84,16 @@ def free_port() -> int:
 class OpenAIServer:
     """One vLLM OpenAI server process (its engine core is its child); `stop()` sends SIGTERM as an operator would."""
 
-    def __init__(self, argv: Sequence[str], log_path: Path, port: int, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        argv: Sequence[str],
+        log_path: Path,
+        port: int,
+        env: dict[str, str] | None = None,
+        new_session: bool = False,
+    ):
+        """`new_session`: the server leads a process group of its own (to be signalled as a whole, as systemd or a
+        container runtime stops a service)."""
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
@@ -92,7 +101,7 @@ class OpenAIServer:
         full_env = dict(os.environ) | {"PYTHONUNBUFFERED": "1"} | (env or {})
         self.proc = subprocess.Popen(
             [*argv, "--host", "127.0.0.1", "--port", str(port)],
-            stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
+            stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=new_session,
         )  # fmt: skip
 
     def wait_ready(self, timeout: float = 600) -> None:

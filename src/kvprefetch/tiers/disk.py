@@ -25,6 +25,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from kvprefetch.crashpoints import crash_point
+from kvprefetch.episodes import EpisodeLog
 from kvprefetch.tiers.access import PRIVATE, FileAccess
 from kvprefetch.tiers.chunk_format import (
     ALIGN,
@@ -122,6 +123,7 @@ class DiskTier:
         self.counters = {"corrupt": 0, "foreign": 0, "temp_removed": 0, "evicted": 0, "write_errors": 0}
         self._foreign_seen: set[str] = set()
         self._reported: set[str] = set()
+        self._episodes = EpisodeLog(log)
         try:
             self.root.parent.mkdir(parents=True, exist_ok=True)
             access.make_dir(self.root)
@@ -210,7 +212,8 @@ class DiskTier:
 
     def _remove(self, path: Path, counter: str, why: str) -> None:
         self.counters[counter] += 1
-        log.warning("disk tier: removing %s: %s", path, why)
+        self._episodes.warn(counter, "disk tier: removing %s: %s (one line per episode; %s counts every file)",
+                            path, why, counter)  # fmt: skip
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
 

@@ -61,7 +61,9 @@ class KVPrefetchConnector(KVConnectorBase_V1):
         self.settings, self.geo, self.namespace, self.keyer = spec.settings, spec.geo, spec.namespace, spec.keyer
         self.block_size, self.rank = spec.block_size, spec.rank
         self.counters = ConnectorCounters("scheduler" if spec.is_scheduler else "worker")
-        self._vllm_stats = StatsTracker(self.counters, lambda: self.store.io.stats.totals())
+        self._vllm_stats = StatsTracker(
+            self.counters, lambda: self.store.io.stats.totals(), lambda: self.store.errors.totals()
+        )
         self._closed_store = False
         if spec.is_scheduler:
             half = build_scheduler(spec, self.counters, self._block_ids)

@@ -23,7 +23,9 @@ Metric names (all labelled with vLLM's ``model_name`` and ``engine``; counters g
   (``get_external_cache_hit_sources``);
 * ``vllm:kvprefetch_io_bytes`` / ``_io_ops`` / ``_io_seconds`` / ``_io_errors`` / ``_io_cancelled``
   ``{tier, cls}``: the store's I/O per tier and class (demand, prefetch, writeback); mean latency is
-  ``rate(io_seconds) / rate(io_ops)``.
+  ``rate(io_seconds) / rate(io_ops)``;
+* ``vllm:kvprefetch_tier_errors{tier, kind}``: every failure the store met, by the tier it asked and why
+  (`kvprefetch.tiers.errors.ErrorKind`: corrupt, missing, no_space, unavailable, rejected, io); each was a miss.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvprefetch.io.engine import IOClass
+from kvprefetch.tiers.errors import ErrorKind
 from kvprefetch.vllm.compat import CacheHitSource, KVConnectorPromMetrics, KVConnectorStats, PromMetric, PromMetricT
 from kvprefetch.vllm.metrics import COUNTERS, HIT_TIERS, ConnectorCounters, hit_counter
 from kvprefetch.vllm.settings import parse_extra_config
@@ -53,6 +56,7 @@ VLLM_SOURCE: dict[str, CacheHitSource] = {
     "remote": CacheHitSource.EXTERNAL_UNSPECIFIED,
 }
 # The log line's short names, in order (hit tokens per tier and read bytes per tier follow them).
+SECTIONS = ("counters", "io", "errors")
 LOG_KEYS: tuple[tuple[str, str], ...] = (
     ("prefetched_chunks", "prefetched"),
     ("prefetch_in_time", "in_time"),
@@ -67,17 +71,18 @@ LOG_KEYS: tuple[tuple[str, str], ...] = (
 
 @dataclass
 class KVPrefetchStats(KVConnectorStats):
-    """One interval's deltas: ``{"counters": {name: n}, "io": {"tier/cls": {field: x}}}`` (only non-zero)."""
+    """One interval's deltas: ``{"counters": {name: n}, "io": {"tier/cls": {field: x}}, "errors": {"tier/kind":
+    n}}`` (only non-zero)."""
 
     def __post_init__(self) -> None:
-        self.data.setdefault("counters", {})
-        self.data.setdefault("io", {})
+        for section in SECTIONS:
+            self.data.setdefault(section, {})
 
     def reset(self) -> None:
-        self.data = {"counters": {}, "io": {}}
+        self.data = {section: {} for section in SECTIONS}
 
     def is_empty(self) -> bool:
-        return not self.data["counters"] and not self.data["io"]
+        return not any(self.data[section] for section in SECTIONS)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         if other.is_empty():
@@ -89,6 +94,8 @@ class KVPrefetchStats(KVConnectorStats):
             acc = mine["io"].setdefault(key, {})
             for f, x in fields.items():
                 acc[f] = acc.get(f, 0) + x
+        for key, n in theirs["errors"].items():
+            mine["errors"][key] = mine["errors"].get(key, 0) + n
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -112,19 +119,29 @@ class KVPrefetchStats(KVConnectorStats):
             if read_ops[tier]:
                 out[f"{tier}_read_MB"] = round(read_bytes[tier] / 1e6, 1)
                 out[f"{tier}_read_ms"] = round(1e3 * read_s[tier] / read_ops[tier], 2)
+        for key, n in sorted(self.data["errors"].items()):
+            out["errors_" + key.replace("/", "_")] = int(n)
         return out
 
 
 class StatsTracker:
     """What one connector instance reports to vLLM: its counters' and its store's growth since the last report."""
 
-    def __init__(self, counters: ConnectorCounters, io_totals: Callable[[], Mapping[str, Mapping[str, float]]] | None):
-        """`io_totals`: the store's cumulative I/O per "tier/cls" (`kvprefetch.io.stats.IOStats.totals`)."""
+    def __init__(
+        self,
+        counters: ConnectorCounters,
+        io_totals: Callable[[], Mapping[str, Mapping[str, float]]] | None,
+        error_totals: Callable[[], Mapping[str, int]] | None = None,
+    ):
+        """`io_totals`: the store's cumulative I/O per "tier/cls" (`kvprefetch.io.stats.IOStats.totals`);
+        `error_totals`: its failures per "tier/kind" (`kvprefetch.tiers.errors.ErrorTally.totals`)."""
         self.counters = counters
         self.io_totals = io_totals
+        self.error_totals = error_totals
         self._lock = threading.Lock()
         self._last_counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._last_io: dict[str, dict[str, float]] = {}
+        self._last_errors: dict[str, int] = {}
 
     def _io_now(self) -> dict[str, dict[str, float]]:
         if self.io_totals is None:
@@ -134,6 +151,14 @@ class StatsTracker:
         except Exception:  # no store yet, or one closed mid-shutdown: report counters only
             return {}
         return {key: {f: float(st.get(f, 0)) for f in IO_FIELDS} for key, st in totals.items()}
+
+    def _errors_now(self) -> dict[str, int]:
+        if self.error_totals is None:
+            return {}
+        try:
+            return dict(self.error_totals())
+        except Exception:  # no store yet, or one closed mid-shutdown
+            return {}
 
     def take(self) -> KVPrefetchStats | None:
         """The deltas since the last call (None when nothing moved: vLLM then sends nothing)."""
@@ -151,9 +176,14 @@ class StatsTracker:
                     io[key] = delta
             if io_now:
                 self._last_io = io_now
-        if not counters and not io:
+            errors_now = self._errors_now()
+            last_errors = self._last_errors
+            errors = {k: n - last_errors.get(k, 0) for k, n in errors_now.items() if n != last_errors.get(k, 0)}
+            if errors_now:
+                self._last_errors = errors_now
+        if not counters and not io and not errors:
             return None
-        return KVPrefetchStats(data={"counters": counters, "io": io})
+        return KVPrefetchStats(data={"counters": counters, "io": io, "errors": errors})
 
 
 def vllm_hit_sources(tier_tokens: Mapping[str, int], num_external_tokens: int) -> dict[CacheHitSource, int]:
@@ -205,6 +235,12 @@ class KVPrefetchPromMetrics(KVConnectorPromMetrics):
             f: self._counter_cls(name=PREFIX + suffix, documentation=doc, labelnames=[*labelnames, "tier", "cls"])
             for f, (suffix, doc) in IO_FIELDS.items()
         }
+        self._errors = self._counter_cls(
+            name=PREFIX + "tier_errors",
+            documentation="Failures the store met, by the tier it asked and why (corrupt, missing, no_space, "
+            "unavailable, rejected, io); each was a miss, recomputed.",
+            labelnames=[*labelnames, "tier", "kind"],
+        )
         # Every series exists from the start (at 0), so dashboards and alerts see them before the first event.
         io_series = [(tier, c.label) for tier in _io_tiers(vllm_config) for c in IOClass]
         for values in per_engine_labelvalues.values():
@@ -215,6 +251,9 @@ class KVPrefetchPromMetrics(KVConnectorPromMetrics):
             for metric in self._io.values():
                 for tier, cls in io_series:
                     metric.labels(*values, tier, cls)
+            for tier in ["dram", *_io_tiers(vllm_config)]:
+                for kind in ErrorKind:
+                    self._errors.labels(*values, tier, kind.value)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         values = self.per_engine_labelvalues[engine_idx]
@@ -232,3 +271,7 @@ class KVPrefetchPromMetrics(KVConnectorPromMetrics):
             for f, x in fields.items():
                 if f in self._io and x > 0:
                     self._io[f].labels(*values, tier, cls).inc(x)
+        for key, n in stats.data["errors"].items():
+            tier, _, kind = key.partition("/")
+            if n > 0:
+                self._errors.labels(*values, tier, kind).inc(n)

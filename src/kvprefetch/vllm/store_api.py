@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from kvprefetch.config import StoreConfig
     from kvprefetch.io.engine import IOEngine
+    from kvprefetch.tiers.errors import ErrorTally
 
 
 @runtime_checkable
@@ -121,6 +122,7 @@ class ConnectorStore(SchedulerStore, WorkerStore, Protocol):
     metrics, `StatsTracker`), its counters (`Reporter`) and closing it at shutdown."""
 
     io: IOEngine
+    errors: ErrorTally  # failures per (tier, kind), for /metrics
 
     def stats(self) -> dict[str, Any]: ...
 

@@ -35,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from kvprefetch.episodes import EpisodeLog
 from kvprefetch.io.affinity import pin_thread, pinned_initializer
 from kvprefetch.vllm.layout import ChunkGeometry, PagedKV, chunk_tensor
 from kvprefetch.vllm.metadata import KVPrefetchMetadata, KVPrefetchWorkerMeta, LoadJob, SaveJob
@@ -63,16 +64,14 @@ class _Staging:
         return self.buf[:n]
 
 
-class _Warnings:
-    """Each failure cause is logged once per process."""
+def _episode_warner() -> Callable[[str, str], None]:
+    """A failure cause is logged once per episode (`kvprefetch.episodes`), not once per chunk."""
+    episodes = EpisodeLog(log)
 
-    def __init__(self) -> None:
-        self._seen: set[str] = set()
+    def warn(cause: str, msg: str) -> None:
+        episodes.warn(cause, "kvprefetch: %s (one line per episode: %s)", msg, cause)
 
-    def once(self, cause: str, msg: str) -> None:
-        if cause not in self._seen:
-            self._seen.add(cause)
-            log.warning("kvprefetch: %s (logged once per cause: %s)", msg, cause)
+    return warn
 
 
 class Telemetry:
@@ -243,8 +242,7 @@ class Loader(_RankPart):
             if got and job.on_disk:
                 self.telemetry.read_below_dram(got * self.geo.chunk_bytes, time.perf_counter() - t0)
             srcs += [stage[i] for i in range(got)]
-        if len(srcs) < n:
-            self.warn("short", "chunks missing or corrupt at load time; recomputing them")
+        if len(srcs) < n:  # the store logged the cause (a failed read), if it was one; evicted since planning is not
             self.counters.inc("load_error_chunks", n - len(srcs))
         self.counters.inc("worker_loaded_chunks", len(srcs))
         return srcs
@@ -328,8 +326,7 @@ class Loader(_RankPart):
                 self.counters.inc("async_loads")
                 n_ok, copy_s = self._copy_as_they_land(job)
                 cancelled = rid in self._cancelled
-                if n_ok < job.num_chunks and not cancelled:
-                    self.warn("short", "chunks missing or corrupt at load time; recomputing them")
+                if n_ok < job.num_chunks and not cancelled:  # (the store logged the cause of a failed read)
                     self.counters.inc("load_error_chunks", job.num_chunks - n_ok)
                 self.counters.inc("worker_loaded_chunks", n_ok)
                 errors = set() if cancelled else failed_blocks(job, n_ok)  # (finished: nothing to recompute)
@@ -519,7 +516,7 @@ class WorkerSide:
         geo = kv.geometry(self.chunk_tokens)
         pin = kv.device.type == "cuda"
         self.store = self.open_store(geo.chunk_bytes)
-        part = _RankPart(self.rank, kv, geo, self.store, self.counters, self.telemetry, _Warnings().once)
+        part = _RankPart(self.rank, kv, geo, self.store, self.counters, self.telemetry, _episode_warner())
         self.loader = Loader(part, self.layerwise, pin)
         self.saver = Saver(part, pin)
 

@@ -15,8 +15,10 @@ import threading
 import time
 
 from kvprefetch.config import RemoteConfig
+from kvprefetch.episodes import EpisodeLog
 from kvprefetch.tiers.chunk_format import CorruptChunk, verify_image
 from kvprefetch.tiers.disk import ChunkMissing
+from kvprefetch.tiers.errors import ErrorKind, ErrorTally
 from kvprefetch.tiers.remote.base import RemoteBackend, RemoteRejected, RemoteUnavailable
 
 log = logging.getLogger(__name__)
@@ -40,8 +42,14 @@ def open_backend(cfg: RemoteConfig) -> RemoteBackend:
 class RemoteTier:
     """A shared tier below disk, reached through one backend, never trusted."""
 
-    def __init__(self, backend: RemoteBackend, key_prefix: str, retry_after_s: float = 5.0):
+    def __init__(
+        self, backend: RemoteBackend, key_prefix: str, retry_after_s: float = 5.0, errors: ErrorTally | None = None
+    ):
+        """`errors`: where a failed attempt to reach the backend is counted (once per attempt, not per chunk its
+        outage turns into a miss: while marked down nothing is attempted, and the store counts nothing)."""
         self.backend = backend
+        self.errors = errors if errors is not None else ErrorTally()
+        self._episodes = EpisodeLog(log)
         self.prefix = key_prefix
         self.retry_after_s = retry_after_s
         self._down_until = 0.0
@@ -64,12 +72,12 @@ class RemoteTier:
             result = fn(*args)
         except RemoteUnavailable as err:
             with self._lock:
-                first = self._down_until == 0.0 or self._down_until < time.monotonic() - self.retry_after_s
                 self._down_until = time.monotonic() + self.retry_after_s
                 self.counters["unavailable"] += 1
-            if first:
-                log.warning("kvprefetch: remote tier %s unavailable (%s); serving misses, retrying every %.0f s",
-                            self.backend.name, err, self.retry_after_s)  # fmt: skip
+            self.errors.add("remote", ErrorKind.UNAVAILABLE)
+            # One line per outage: its retries fail every retry_after_s, within one episode of failures.
+            self._episodes.warn("unavailable", "kvprefetch: remote tier %s unavailable (%s); serving misses, retrying "
+                                "every %.0f s", self.backend.name, err, self.retry_after_s)  # fmt: skip
             raise
         if self._down_until:
             with self._lock:
@@ -114,7 +122,8 @@ class RemoteTier:
                 self.counters["reads"] += 1
             except CorruptChunk as err:
                 self.counters["corrupt"] += 1
-                log.warning("kvprefetch: remote value %s failed verification (%s); dropping it", name, err)
+                self._episodes.warn("corrupt", "kvprefetch: remote value %s failed verification (%s); dropping it"
+                                    " (one line per episode)", name, err)  # fmt: skip
                 bad.append(name)
                 results.append(err)
         if bad:

@@ -1,0 +1,162 @@
+"""Nodes on one machine: Linux network namespaces joined by point-to-point veth links, each end's egress shaped to a
+declared rate (tbf), for benchmarks that need a pool and the nodes that read it over a real, finite link.
+
+Everything a `Fabric` makes is named after the process that made it (`kvp<pid hex>-<role>` namespaces, `k<pid
+hex>x<n>` interfaces), removed when the fabric closes (deleting a namespace deletes its interfaces and their
+qdiscs), and `sweep()` removes what a process that died without closing left behind (SIGKILL): never anything
+another live process made. Needs root (CAP_NET_ADMIN) and iproute2; `available()` says whether this machine can.
+There is no added delay (netem is not available here): a link has a rate, not a distance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+
+from kvprefetch.tiers.pool_watch import pid_alive
+
+PREFIX = "kvp"
+_NS = re.compile(rf"^{PREFIX}([0-9a-f]+)-[a-z0-9-]+$")
+SUBNET = "10.231"  # links are 10.231.<n>.1 <-> 10.231.<n>.2 (/30), inside the namespaces only
+
+
+class NetnsUnavailable(RuntimeError):
+    """This machine (or user) cannot make network namespaces: not root, or no iproute2."""
+
+
+def available() -> str | None:
+    """None when namespaces can be made here, else why not."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (CAP_NET_ADMIN)"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "network namespaces need iproute2 (the ip and tc commands)"
+    return None
+
+
+def _run(*argv: str) -> str:
+    out = subprocess.run(argv, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(argv)}: {out.stderr.strip() or out.stdout.strip()}")
+    return out.stdout
+
+
+def namespaces() -> list[str]:
+    """Every network namespace on the machine (`ip netns list`, names only)."""
+    return [line.split()[0] for line in _run("ip", "netns", "list").splitlines() if line.strip()]
+
+
+@dataclass(frozen=True)
+class End:
+    ns: str
+    dev: str
+    ip: str
+
+
+@dataclass(frozen=True)
+class Link:
+    """A veth pair between two namespaces; `rate_bps` (bits/s) shapes each end's egress, None: unshaped."""
+
+    a: End
+    b: End
+    rate_bps: int | None
+
+
+def burst_bytes(rate_bps: int) -> int:
+    """tbf's bucket: at least what the rate moves in one 4 ms tick (HZ 250) and a few full-size frames."""
+    return max(rate_bps // 8 // 250, 64 * 1024)
+
+
+@dataclass
+class Fabric:
+    """Namespaces and links made on this process's behalf; a context manager that removes them all on exit."""
+
+    tag: str = field(default_factory=lambda: f"{os.getpid():x}")
+    made: list[str] = field(default_factory=list)
+    links: list[Link] = field(default_factory=list)
+
+    def __enter__(self) -> Fabric:
+        why = available()
+        if why is not None:
+            raise NetnsUnavailable(why)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def ns(self, role: str) -> str:
+        """Make namespace `role` (loopback up); its full name."""
+        if not re.fullmatch(r"[a-z0-9-]{1,20}", role):
+            raise ValueError(f"namespace role {role!r}: lowercase letters, digits and '-' only")
+        name = f"{PREFIX}{self.tag}-{role}"
+        _run("ip", "netns", "add", name)
+        self.made.append(name)
+        _run("ip", "-n", name, "link", "set", "lo", "up")
+        return name
+
+    def link(self, a_ns: str, b_ns: str, rate_bps: int | None = None) -> Link:
+        """Join two of this fabric's namespaces by a veth pair, a /30 of their own, each end shaped to rate_bps."""
+        n = len(self.links) + 1
+        if n > 250:
+            raise ValueError("a fabric has at most 250 links")
+        a = End(a_ns, f"k{self.tag}x{n}a", f"{SUBNET}.{n}.1")
+        b = End(b_ns, f"k{self.tag}x{n}b", f"{SUBNET}.{n}.2")
+        _run("ip", "link", "add", a.dev, "netns", a.ns, "type", "veth", "peer", "name", b.dev, "netns", b.ns)
+        link = Link(a, b, rate_bps)
+        self.links.append(link)
+        for end in (a, b):
+            _run("ip", "-n", end.ns, "addr", "add", f"{end.ip}/30", "dev", end.dev)
+            _run("ip", "-n", end.ns, "link", "set", end.dev, "up")
+        if rate_bps is not None:
+            self.shape(link, rate_bps)
+        return link
+
+    def shape(self, link: Link, rate_bps: int) -> None:
+        """(Re)shape both ends' egress to rate_bps."""
+        for end in (link.a, link.b):
+            _run("ip", "netns", "exec", end.ns, "tc", "qdisc", "replace", "dev", end.dev, "root", "tbf", "rate",
+                 f"{rate_bps}bit", "burst", str(burst_bytes(rate_bps)), "latency", "200ms")  # fmt: skip
+
+    def set_up(self, link: Link, up: bool) -> None:
+        """Take a link down (both ends: nothing crosses it) or bring it back up."""
+        for end in (link.a, link.b):
+            _run("ip", "-n", end.ns, "link", "set", end.dev, "up" if up else "down")
+
+    @staticmethod
+    def exec_argv(ns: str, argv: list[str]) -> list[str]:
+        """argv run inside namespace ns (`ip netns exec`: its own /etc/netns view, the machine's filesystem)."""
+        return ["ip", "netns", "exec", ns, *argv]
+
+    def close(self) -> None:
+        """Remove every namespace this fabric made (their links and qdiscs go with them); idempotent."""
+        for name in reversed(self.made):
+            _kill_inside(name)
+            with contextlib.suppress(RuntimeError):
+                _run("ip", "netns", "del", name)
+        self.made.clear()
+        self.links.clear()
+
+
+def _kill_inside(ns: str) -> None:
+    """SIGKILL what still runs in namespace ns (a namespace whose processes live on is not freed by `del`)."""
+    with contextlib.suppress(RuntimeError):
+        for pid in _run("ip", "netns", "pids", ns).split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), 9)
+
+
+def sweep() -> list[str]:
+    """Remove the namespaces of fabrics whose process is gone; the names removed."""
+    gone = []
+    for name in namespaces():
+        m = _NS.match(name)
+        if m is None or pid_alive(int(m.group(1), 16)):
+            continue
+        _kill_inside(name)
+        with contextlib.suppress(RuntimeError):
+            _run("ip", "netns", "del", name)
+            gone.append(name)
+    return gone

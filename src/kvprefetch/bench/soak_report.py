@@ -1,0 +1,304 @@
+"""What a serving soak found: its records (answers, faults, resource and metric samples), the checks issue 40 sets
+(nothing failed, nothing wrong, nothing leaked, nothing hidden) judged on them, one summary line, a per-fault
+table (TTFT and hits during each kind of fault beside the calm windows) and the timeline plot.
+
+Pure functions of the records: the soak (`kvprefetch.bench.soak_serve`) fills them, tests build them by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+SETTLE_S = 10.0  # a fault's effects are read until this long after it ended
+MIN_LIFE_S = 120.0  # growth is judged over a server life at least this long (a restarted server warms up again)
+GROWTH_LIMIT_PCT = 5.0
+RESTART_KINDS = ("server_term", "server_kill")
+# Where each kind of fault must show in /metrics (vllm:kvprefetch_tier_errors_total{tier, kind}).
+VISIBLE_AS: dict[str, tuple[str, ...]] = {
+    "redis_kill": ("remote/unavailable",),
+    "disk_full": ("disk/no_space",),
+    "damage": ("disk/corrupt", "disk/missing"),
+}
+# Kinds every fault of which must show; a damaged file shows only if something reads it before it is evicted or
+# overwritten, so of the damage faults at least one must.
+EACH_SHOWS = ("redis_kill", "disk_full")
+
+
+@dataclass
+class Answer:
+    t: float  # when the request was sent (s into the run)
+    t_end: float
+    ttft_s: float | None
+    ok: bool
+    right: bool | None  # equal to vLLM alone's (None: vLLM alone failed too)
+    error: str = ""
+    ref_ttft_s: float | None = None  # vLLM alone's TTFT for the same prompt (sent right after)
+
+
+@dataclass
+class FaultRecord:
+    kind: str
+    start_s: float
+    end_s: float
+    what: str
+
+    @property
+    def restart(self) -> bool:
+        """The server's own restart: requests inside its window are counted apart."""
+        return self.kind in RESTART_KINDS
+
+    def covers(self, t0: float, t1: float, settle_s: float = SETTLE_S) -> bool:
+        return t0 <= self.end_s + settle_s and t1 >= self.start_s
+
+
+@dataclass
+class Sample:
+    t: float
+    life: int  # which start of the server (0: the first; +1 per restart)
+    rss_mb: float
+    fds: int
+    threads: int
+    shm_files: int
+    disk_mb: float
+
+
+@dataclass
+class MetricSample:
+    """The server's counters at t (cumulative within a life): "prompt" (prompt tokens), "hit/<tier>" (tokens
+    loaded from a kvprefetch tier; "hit/engine": vLLM's own prefix cache), "err/<tier>/<kind>" (tier errors)."""
+
+    t: float
+    life: int
+    values: dict[str, float]
+
+
+@dataclass
+class SoakResult:
+    seconds: float
+    kinds: tuple[str, ...] = ()
+    faults: list[FaultRecord] = field(default_factory=list)
+    answers: list[Answer] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+    metrics: list[MetricSample] = field(default_factory=list)
+    log_lines: dict[str, int] = field(default_factory=dict)  # per fault kind: log lines naming it, all lives
+    shm_left: list[str] = field(default_factory=list)
+
+    # ---- classification -------------------------------------------------------------------------------------
+    def apart(self, a: Answer) -> bool:
+        """Inside one of the server's own restart windows (not counted as failed)."""
+        return any(f.restart and f.covers(a.t, a.t_end, settle_s=5.0) for f in self.faults)
+
+    def counted(self) -> list[Answer]:
+        return [a for a in self.answers if not self.apart(a)]
+
+    def failed(self) -> int:
+        return sum(not a.ok for a in self.counted())
+
+    def wrong(self) -> int:
+        return sum(a.right is False for a in self.answers)
+
+    # ---- growth -----------------------------------------------------------------------------------------------
+    def growth(self, attr: str) -> float:
+        """Growth of a sampled resource over the second half of the last server life that is long enough (the
+        run's second half when the server never restarted), first vs last three samples, in %."""
+        last = max((s.life for s in self.samples), default=0)
+        life = [s for s in self.samples if s.life == last]
+        if not life or life[-1].t - life[0].t < MIN_LIFE_S:
+            return 0.0
+        mid = max(life[0].t + (life[-1].t - life[0].t) / 2, self.seconds / 2 if last == 0 else 0.0)
+        half = [getattr(s, attr) for s in life if s.t >= mid]
+        if len(half) < 6:
+            return 0.0
+        first, end = sorted(half[:3])[1], sorted(half[-3:])[1]
+        return 100.0 * (end - first) / max(first, 1e-9)
+
+    # ---- metrics over a window --------------------------------------------------------------------------------
+    def moved(self, t0: float, t1: float) -> dict[str, float]:
+        """What the counters moved between t0 and t1, summed over the server lives the window spans."""
+        out: dict[str, float] = {}
+        for life in sorted({m.life for m in self.metrics}):
+            inside = [m for m in self.metrics if m.life == life and t0 <= m.t <= t1]
+            before = [m for m in self.metrics if m.life == life and m.t < t0]
+            if not inside:
+                continue
+            base = before[-1].values if before else {}
+            for k, v in inside[-1].values.items():
+                d = v - base.get(k, 0.0)
+                if d:
+                    out[k] = out.get(k, 0.0) + d
+        return out
+
+    def shown(self, f: FaultRecord) -> float:
+        """The tier errors a fault of a visible kind moved in /metrics."""
+        return sum(v for k, v in self.fault_moved(f).items() if k.removeprefix("err/") in VISIBLE_AS.get(f.kind, ()))
+
+    def fault_moved(self, f: FaultRecord) -> dict[str, float]:
+        nxt = min((g.start_s for g in self.faults if g.start_s > f.start_s), default=self.seconds)
+        return self.moved(f.start_s, min(f.end_s + SETTLE_S, nxt))
+
+    # ---- the checks ---------------------------------------------------------------------------------------------
+    def checks(self, min_per_kind: int = 2) -> list[tuple[str, bool, str]]:
+        """(name, passed, detail) for every check issue 40 sets that this run can judge."""
+        out = [
+            ("no failed request outside restarts", self.failed() == 0, f"{self.failed()} failed"),
+            ("no wrong answer", self.wrong() == 0, f"{self.wrong()} wrong"),
+            ("no DRAM pool left after the stop", not self.shm_left, ", ".join(self.shm_left) or "none"),
+        ]
+        for kind in self.kinds:
+            n = sum(f.kind == kind for f in self.faults)
+            out.append((f"{kind} injected >= {min_per_kind}x", n >= min_per_kind, f"{n}x"))
+            if kind in VISIBLE_AS:
+                seen = [self.shown(f) for f in self.faults if f.kind == kind]
+                ok = bool(seen) and (min(seen) > 0 if kind in EACH_SHOWS else sum(seen) > 0)
+                detail = f"tier errors {'/'.join(VISIBLE_AS[kind])} per fault: {', '.join(f'{x:.0f}' for x in seen)}"
+                out.append((f"{kind} in /metrics", ok, detail))
+            if kind in LOG_NAMES and n:
+                lines = self.log_lines.get(kind, 0)
+                ok = 1 <= lines <= LOG_LINES_PER_FAULT * n
+                out.append((f"{kind} logged once per fault (not per chunk)", ok, f"{lines} lines for {n} faults"))
+        if self.seconds >= 2 * MIN_LIFE_S + 60:
+            for name, attr in (("rss", "rss_mb"), ("fds", "fds"), ("threads", "threads"), ("disk", "disk_mb")):
+                g = self.growth(attr)
+                out.append((f"{name} growth < {GROWTH_LIMIT_PCT:.0f}%", g < GROWTH_LIMIT_PCT, f"{g:.1f}%"))
+        return out
+
+    def summary(self) -> str:
+        growth = " ".join(f"{name}_growth={self.growth(attr):.1f}%"
+                          for name, attr in (("rss", "rss_mb"), ("fd", "fds"), ("thread", "threads")))  # fmt: skip
+        moved = self.moved(0.0, self.seconds + 60)
+        hits = sum(v for k, v in moved.items() if k.startswith("hit/") and k != "hit/engine")
+        ratio = hits / moved["prompt"] if moved.get("prompt") else 0.0
+        apart = len(self.answers) - len(self.counted())
+        return (f"soak-serve: seconds={self.seconds:.0f} requests={len(self.counted())} failed={self.failed()} "
+                f"wrong={self.wrong()} faults={len(self.faults)} apart={apart} {growth} "
+                f"shm_left={len(self.shm_left)} hit_ratio={ratio:.2f}")  # fmt: skip
+
+
+# Log lines that name a fault (counted over every server log of the run), and how many one fault may take: the
+# scheduler and the worker process each log an episode once, with at most a line for its end.
+LOG_NAMES: dict[str, tuple[str, ...]] = {
+    "redis_kill": ("remote tier redis unavailable",),
+    "disk_full": ("disk write-back failed",),
+    "damage": ("disk chunk load failed", "disk tier: removing"),
+}
+LOG_LINES_PER_FAULT = 4
+
+
+def count_log_lines(texts: Iterable[str]) -> dict[str, int]:
+    return {kind: sum(line_count(t, pats) for t in texts) for kind, pats in LOG_NAMES.items()}
+
+
+def line_count(text: str, patterns: Sequence[str]) -> int:
+    return sum(1 for line in text.splitlines() if any(p in line for p in patterns))
+
+
+# ---- per-fault table ----------------------------------------------------------------------------------------------
+def _pcts(ttfts: list[float]) -> tuple[float, float]:
+    if not ttfts:
+        return float("nan"), float("nan")
+    return float(np.percentile(ttfts, 50)), float(np.percentile(ttfts, 99))
+
+
+def by_condition(result: SoakResult) -> list[dict]:
+    """TTFT p50/p99 and the hit ratio per fault kind (answers sent while one was on, or within SETTLE_S after)
+    and for the calm rest of the run."""
+    rows = []
+    in_fault: set[int] = set()
+    for kind in dict.fromkeys(f.kind for f in result.faults):
+        faults = [f for f in result.faults if f.kind == kind]
+        idx = [i for i, a in enumerate(result.answers) if any(f.covers(a.t, a.t) for f in faults)]
+        in_fault |= set(idx)
+        moved: dict[str, float] = {}
+        for f in faults:
+            for k, v in result.fault_moved(f).items():
+                moved[k] = moved.get(k, 0.0) + v
+        span = sum(f.end_s - f.start_s for f in faults)
+        rows.append(_row(kind, [result.answers[i] for i in idx], moved, span, result.apart))
+    calm = [a for i, a in enumerate(result.answers) if i not in in_fault]
+    moved: dict[str, float] = {}
+    for t0, t1 in calm_spans(result):
+        for k, v in result.moved(t0, t1).items():
+            moved[k] = moved.get(k, 0.0) + v
+    rows.append(_row("calm", calm, moved, 0.0, result.apart))
+    return rows
+
+
+def calm_spans(result: SoakResult) -> list[tuple[float, float]]:
+    """The stretches of the run no fault covers (nor its SETTLE_S after)."""
+    spans, t = [], 0.0
+    for f in sorted(result.faults, key=lambda f: f.start_s):
+        if f.start_s > t:
+            spans.append((t, f.start_s))
+        t = max(t, f.end_s + SETTLE_S)
+    if t < result.seconds:
+        spans.append((t, result.seconds + 60))  # (the last sample comes after the run's end)
+    return spans
+
+
+def _row(kind: str, answers: list[Answer], moved: dict[str, float], seconds: float,
+         apart: Callable[[Answer], bool]) -> dict:  # fmt: skip
+    ok = [a.ttft_s for a in answers if a.ok and a.ttft_s is not None]
+    p50, p99 = _pcts(ok)
+    hits = {k.removeprefix("hit/"): v for k, v in moved.items() if k.startswith("hit/")}
+    prompt = moved.get("prompt", 0.0)
+    errors = {k.removeprefix("err/"): int(v) for k, v in moved.items() if k.startswith("err/")}
+    return {"condition": kind, "seconds": round(seconds, 1), "requests": len(answers),
+            "failed": sum(not a.ok for a in answers if not apart(a)), "apart": sum(apart(a) for a in answers),
+            "ttft_p50_ms": round(p50 * 1e3, 1),
+            "ttft_p99_ms": round(p99 * 1e3, 1),
+            "hit_ratio": round(sum(v for t, v in hits.items() if t != "engine") / prompt, 3) if prompt else None,
+            "hit_by_tier": {t: round(v / prompt, 3) for t, v in hits.items()} if prompt else {},
+            "tier_errors": errors}  # fmt: skip
+
+
+def condition_table(rows: list[dict]) -> str:
+    head = ("| condition | fault s | requests | failed | apart | TTFT p50 ms | TTFT p99 ms | hit ratio | by tier | "
+            "tier errors |")
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        tiers = " ".join(f"{t} {v:.2f}" for t, v in sorted(r["hit_by_tier"].items()))
+        errs = " ".join(f"{k} {v}" for k, v in sorted(r["tier_errors"].items()))
+        ratio = "" if r["hit_ratio"] is None else f"{r['hit_ratio']:.2f}"
+        lines.append(f"| {r['condition']} | {r['seconds']} | {r['requests']} | {r['failed']} | {r['apart']} | "
+                     f"{r['ttft_p50_ms']} | "
+                     f"{r['ttft_p99_ms']} | {ratio} | {tiers} | {errs} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+# ---- timeline -----------------------------------------------------------------------------------------------------
+def windows(answers: list[Answer], width_s: float = 10.0) -> list[tuple[float, float, float]]:
+    """(window start, TTFT p50, TTFT p99) per `width_s` window of the answers that completed."""
+    by: dict[int, list[float]] = {}
+    for a in answers:
+        if a.ok and a.ttft_s is not None:
+            by.setdefault(int(a.t // width_s), []).append(a.ttft_s)
+    return [(k * width_s, *_pcts(v)) for k, v in sorted(by.items())]
+
+
+COLORS = {"redis_kill": "red", "damage": "orange", "gc": "gray", "disk_full": "brown", "engine_kill": "purple",
+          "server_term": "blue", "server_kill": "black"}  # fmt: skip
+
+
+def plot_timeline(result: SoakResult, path: Path) -> str:
+    """TTFT p50/p99 per 10 s window, the faults as spans, and the server's RSS on a second axis."""
+    from kvprefetch.bench.plotting import figure, save
+
+    fig, ax = figure()
+    w = windows(result.answers)
+    ax.plot([t for t, _, _ in w], [p * 1e3 for _, p, _ in w], "o-", label="TTFT p50")
+    ax.plot([t for t, _, _ in w], [p * 1e3 for _, _, p in w], "s--", label="TTFT p99")
+    for kind in dict.fromkeys(f.kind for f in result.faults):
+        for i, f in enumerate(x for x in result.faults if x.kind == kind):
+            ax.axvspan(f.start_s, max(f.end_s, f.start_s + 1.0), color=COLORS.get(kind, "gray"), alpha=0.25,
+                       label=kind if i == 0 else None)  # fmt: skip
+    ax.set_xlabel("seconds into the run (shaded: faults)")
+    ax.set_ylabel("TTFT per 10 s window (ms)")
+    ax.set_yscale("log")
+    rss = ax.twinx()
+    rss.plot([x.t for x in result.samples], [x.rss_mb for x in result.samples], color="green", alpha=0.6)
+    rss.set_ylabel("server RSS (MiB, green)")
+    return save(fig, ax, path)

@@ -1,0 +1,100 @@
+"""Nodes on one machine (`kvprefetch.bench.netns`): real network namespaces and veth links, a tbf-shaped rate that
+holds, a link taken down and brought back, and nothing left behind, also by a process SIGKILLed mid-run."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kvprefetch.bench import netns
+from kvprefetch.bench.netns import Fabric
+
+pytestmark = pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
+
+SERVER = textwrap.dedent("""
+    import socket, sys
+    s = socket.create_server((sys.argv[1], 7007))
+    print("ready", flush=True)
+    while True:
+        c, _ = s.accept()
+        c.sendall(b"x" * int(sys.argv[2]))
+        c.close()
+""")
+CLIENT = textwrap.dedent("""
+    import socket, sys, time
+    t0 = time.monotonic()
+    n = 0
+    with socket.create_connection((sys.argv[1], 7007), timeout=float(sys.argv[2])) as c:
+        while chunk := c.recv(1 << 20):
+            n += len(chunk)
+    print(n, time.monotonic() - t0)
+""")
+
+
+def _fetch(fab: Fabric, ns: str, ip: str, timeout: float = 5.0) -> tuple[int, float]:
+    out = subprocess.run(fab.exec_argv(ns, [sys.executable, "-c", CLIENT, ip, str(timeout)]), capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    if out.returncode:
+        raise ConnectionError(out.stderr.strip().splitlines()[-1])
+    n, seconds = out.stdout.split()
+    return int(n), float(seconds)
+
+
+def test_a_shaped_link_carries_bytes_no_faster_than_its_rate_and_can_be_cut_and_restored():
+    nbytes, rate = 4 << 20, 64_000_000  # 4 MiB at 64 Mbit/s: >= 0.52 s
+    with Fabric() as fab:
+        pool, node = fab.ns("pool"), fab.ns("node-a")
+        link = fab.link(pool, node, rate_bps=rate)
+        server = subprocess.Popen(fab.exec_argv(pool, [sys.executable, "-c", SERVER, link.a.ip, str(nbytes)]),
+                                  stdout=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert server.stdout.readline().strip() == "ready"
+            n, seconds = _fetch(fab, node, link.a.ip)
+            assert n == nbytes
+            floor = (nbytes - netns.burst_bytes(rate)) * 8 / rate
+            assert seconds >= 0.9 * floor, f"{seconds:.2f} s: the link is not shaped to {rate / 1e6:.0f} Mbit/s"
+            fab.set_up(link, False)
+            with pytest.raises(ConnectionError):
+                _fetch(fab, node, link.a.ip, timeout=1.0)
+            fab.set_up(link, True)
+            assert _fetch(fab, node, link.a.ip)[0] == nbytes
+            assert link.a.ip not in subprocess.run(["ip", "addr"], capture_output=True, text=True).stdout, (
+                "the link lives inside the namespaces only"
+            )
+        finally:
+            server.kill()
+            server.wait()
+        names = [pool, node]
+    assert not set(names) & set(netns.namespaces()), "closing removes every namespace it made"
+
+
+MAKER = textwrap.dedent("""
+    from kvprefetch.bench.netns import Fabric
+    fab = Fabric().__enter__()
+    a, b = fab.ns("pool"), fab.ns("node-a")
+    fab.link(a, b, rate_bps=10_000_000)
+    print(a, b, flush=True)
+    import time; time.sleep(60)
+""")
+
+
+def test_sweep_removes_what_a_killed_process_left_and_nothing_a_live_one_holds():
+    maker = subprocess.Popen([sys.executable, "-c", MAKER], stdout=subprocess.PIPE, text=True)
+    left = maker.stdout.readline().split()
+    maker.send_signal(signal.SIGKILL)
+    maker.wait()
+    with Fabric() as mine:
+        live = mine.ns("pool")
+        assert set(left) <= set(netns.namespaces())
+        swept = netns.sweep()
+        assert set(left) <= set(swept) and live not in swept
+        assert not set(left) & set(netns.namespaces()) and live in netns.namespaces()
+
+
+def test_bad_roles_are_refused_before_anything_is_made():
+    with Fabric() as fab, pytest.raises(ValueError, match="namespace role"):
+        fab.ns("Pool A")
