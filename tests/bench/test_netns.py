@@ -98,3 +98,34 @@ def test_sweep_removes_what_a_killed_process_left_and_nothing_a_live_one_holds()
 def test_bad_roles_are_refused_before_anything_is_made():
     with Fabric() as fab, pytest.raises(ValueError, match="namespace role"):
         fab.ns("Pool A")
+
+
+JOINER = textwrap.dedent("""
+    import socket, sys
+    from kvprefetch.bench.netns import join
+    join(sys.argv[1])
+    with socket.create_connection((sys.argv[2], 7007), timeout=5) as c:
+        n = 0
+        while chunk := c.recv(1 << 20):
+            n += len(chunk)
+    print(n)
+""")
+
+
+def test_a_process_joins_a_namespace_itself_as_a_forked_engine_does():
+    with Fabric() as fab:
+        pool, node = fab.ns("pool"), fab.ns("node-b")
+        link = fab.link(pool, node)
+        server = subprocess.Popen(fab.exec_argv(pool, [sys.executable, "-c", SERVER, link.a.ip, "1000"]),
+                                  stdout=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert server.stdout.readline().strip() == "ready"
+            got = subprocess.run([sys.executable, "-c", JOINER, node, link.a.ip], capture_output=True, text=True,
+                                 timeout=60)  # fmt: skip
+            assert got.stdout.strip() == "1000", got.stderr
+            outside = subprocess.run([sys.executable, "-c", CLIENT, link.a.ip, "1"], capture_output=True, text=True,
+                                     timeout=60)  # fmt: skip
+            assert outside.returncode != 0, "outside the namespaces the link does not exist"
+        finally:
+            server.kill()
+            server.wait()

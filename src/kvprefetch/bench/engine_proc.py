@@ -781,6 +781,10 @@ def start(spec: P.EngineSpec) -> tuple[EngineChild, Callable[[], None]]:
     exit: vLLM's CPU build leaves its tensor-parallel shared-memory segments (/dev/shm/vllm_dist_*) behind when
     the process ends, so those this engine created are removed."""
     _join_cgroup(spec.cgroup)
+    if spec.netns:
+        from kvprefetch.bench.netns import join
+
+        join(spec.netns)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.update(spec.env)
     spec = place(spec)

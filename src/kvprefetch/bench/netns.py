@@ -21,6 +21,7 @@ from kvprefetch.tiers.pool_watch import pid_alive
 
 PREFIX = "kvp"
 _NS = re.compile(rf"^{PREFIX}([0-9a-f]+)-[a-z0-9-]+$")
+CLONE_NEWNET = 0x40000000
 SUBNET = "10.231"  # links are 10.231.<n>.1 <-> 10.231.<n>.2 (/30), inside the namespaces only
 
 
@@ -138,6 +139,22 @@ class Fabric:
                 _run("ip", "netns", "del", name)
         self.made.clear()
         self.links.clear()
+
+
+def join(ns: str) -> None:
+    """Move this process into network namespace ns (as `ip netns exec` would, without exec): its sockets from
+    now on, and the processes it starts, are on that namespace's links. Called first thing by a process that must
+    run there but is started by other means (a forked engine)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{ns}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {ns}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 def _kill_inside(ns: str) -> None:

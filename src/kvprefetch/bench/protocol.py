@@ -49,6 +49,7 @@ class EngineSpec(_Wire):
     engine_args: dict[str, Any] = {}
     kv_transfer_config: dict[str, Any] | None = None
     cgroup: str | None = None  # the process joins this cgroup (v1 blkio) before anything starts
+    netns: str | None = None  # the process joins this network namespace before anything starts (`bench.netns`)
     env: dict[str, str] = {}  # set in the engine process before vLLM is imported
     topology: Placement | None = None  # None: every thread on every core
 

@@ -102,15 +102,21 @@ class SoakResult:
         return sum(a.right is False for a in self.answers)
 
     # ---- growth -----------------------------------------------------------------------------------------------
-    def growth(self, attr: str) -> float:
-        """Growth of a sampled resource over the second half of the last server life that is long enough (the
-        run's second half when the server never restarted), first vs last three samples, in %."""
+    def growth_window(self) -> tuple[float, float] | None:
+        """Where growth is judged: the second half of the last server life (the run's second half when the server
+        never restarted; a restarted server warms up again), None when that life is too short to judge."""
         last = max((s.life for s in self.samples), default=0)
-        life = [s for s in self.samples if s.life == last]
-        if not life or life[-1].t - life[0].t < MIN_LIFE_S:
-            return 0.0
-        mid = max(life[0].t + (life[-1].t - life[0].t) / 2, self.seconds / 2 if last == 0 else 0.0)
-        half = [getattr(s, attr) for s in life if s.t >= mid]
+        life = [s.t for s in self.samples if s.life == last]
+        if not life or life[-1] - life[0] < MIN_LIFE_S:
+            return None
+        mid = max(life[0] + (life[-1] - life[0]) / 2, self.seconds / 2 if last == 0 else 0.0)
+        return mid, life[-1]
+
+    def growth(self, attr: str) -> float:
+        """Growth of a sampled resource over `growth_window` (first vs last three samples), in %."""
+        window = self.growth_window()
+        last = max((s.life for s in self.samples), default=0)
+        half = [getattr(s, attr) for s in self.samples if window and s.life == last and s.t >= window[0]]
         if len(half) < 6:
             return 0.0
         first, end = sorted(half[:3])[1], sorted(half[-3:])[1]
@@ -161,9 +167,12 @@ class SoakResult:
                 ok = 1 <= lines <= LOG_LINES_PER_FAULT * n
                 out.append((f"{kind} logged once per fault (not per chunk)", ok, f"{lines} lines for {n} faults"))
         if self.seconds >= 2 * MIN_LIFE_S + 60:
+            window = self.growth_window()
+            span = f" ({window[0]:.0f}-{window[1]:.0f} s)" if window else " (no server life long enough)"
             for name, attr in (("rss", "rss_mb"), ("fds", "fds"), ("threads", "threads"), ("disk", "disk_mb")):
                 g = self.growth(attr)
-                out.append((f"{name} growth < {GROWTH_LIMIT_PCT:.0f}%", g < GROWTH_LIMIT_PCT, f"{g:.1f}%"))
+                ok = window is not None and g < GROWTH_LIMIT_PCT
+                out.append((f"{name} growth < {GROWTH_LIMIT_PCT:.0f}%", ok, f"{g:.1f}%{span}"))
         return out
 
     def summary(self) -> str:
@@ -301,4 +310,4 @@ def plot_timeline(result: SoakResult, path: Path) -> str:
     rss = ax.twinx()
     rss.plot([x.t for x in result.samples], [x.rss_mb for x in result.samples], color="green", alpha=0.6)
     rss.set_ylabel("server RSS (MiB, green)")
-    return save(fig, ax, path)
+    return save(fig, ax, path, loc="upper left", fontsize=7, ncol=3)
