@@ -129,3 +129,23 @@ def test_a_process_joins_a_namespace_itself_as_a_forked_engine_does():
         finally:
             server.kill()
             server.wait()
+
+
+def test_a_redis_in_the_pool_namespace_is_reached_by_a_node_over_its_link_only(tmp_path):
+    import redis
+
+    from kvprefetch.bench.local_servers import RedisServer
+
+    with Fabric() as fab:
+        pool, node = fab.ns("pool"), fab.ns("node-a")
+        link = fab.link(pool, node, rate_bps=200_000_000)
+        server = RedisServer(tmp_path, netns=pool)
+        try:
+            ping = "import redis, sys; print(redis.Redis.from_url(sys.argv[1], socket_timeout=5).ping())"
+            got = subprocess.run(fab.exec_argv(node, [sys.executable, "-c", ping, server.url_at(link.a.ip)]),
+                                 capture_output=True, text=True, timeout=60)  # fmt: skip
+            assert got.stdout.strip() == "True", got.stderr
+            with pytest.raises(redis.exceptions.ConnectionError):
+                redis.Redis.from_url(server.url, socket_connect_timeout=1).ping()  # not on this machine's loopback
+        finally:
+            server.kill()

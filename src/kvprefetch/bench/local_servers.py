@@ -31,10 +31,22 @@ def wait_port(port: int, timeout: float = 20.0) -> None:
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
 
 
-class RedisServer:
-    """A throwaway redis-server (no persistence) that tests may kill and restart on the same port."""
+def wait_port_in(netns: str | None, port: int, timeout: float = 20.0) -> None:
+    """wait_port, asked from inside a network namespace (None: this one)."""
+    if netns is None:
+        return wait_port(port, timeout)
+    code = f"from kvprefetch.bench.local_servers import wait_port; wait_port({port}, {timeout})"
+    out = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode:
+        raise TimeoutError(f"nothing listens on port {port} in network namespace {netns}: {out.stderr[-500:]}")
 
-    def __init__(self, workdir: Path, *extra: str):
+
+class RedisServer:
+    """A throwaway redis-server (no persistence) that tests may kill and restart on the same port; on loopback,
+    or inside network namespace `netns` on every address there (other namespaces reach it at `url_at(ip)`)."""
+
+    def __init__(self, workdir: Path, *extra: str, netns: str | None = None):
+        self.netns = netns
         self.exe = shutil.which("redis-server")
         cluster = "--cluster-enabled" in extra
         if self.exe is None:
@@ -45,13 +57,19 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return self.url_at("127.0.0.1")
+
+    def url_at(self, host: str) -> str:
+        return f"redis://{host}:{self.port}/0"
 
     def start(self) -> None:
-        cmd = [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-               "--dir", str(self.workdir), *self.extra]  # fmt: skip
+        bind = "127.0.0.1" if self.netns is None else "0.0.0.0"
+        cmd = [self.exe, "--port", str(self.port), "--bind", bind, "--save", "", "--appendonly", "no",
+               "--protected-mode", "no", "--dir", str(self.workdir), *self.extra]  # fmt: skip
+        if self.netns is not None:
+            cmd = ["ip", "netns", "exec", self.netns, *cmd]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_port(self.port)
+        wait_port_in(self.netns, self.port)
 
     def kill(self) -> None:
         if self.proc is not None:

@@ -219,7 +219,7 @@ def top_up(f: BinaryIO) -> int:
 
 
 # ---- damage -------------------------------------------------------------------------------------------------------
-def damage(disk: Path, rng: random.Random, n: int = 3, among: int = 24) -> list[str]:
+def damage(disk: Path, rng: random.Random, n: int = 8, among: int = 32) -> list[str]:
     """Flip a byte in, cut short or delete n of the `among` newest chunk files: those of the conversations in
     progress, which their next turns read (while the server may be reading them)."""
     dated = []

@@ -210,10 +210,13 @@ class DiskTier:
             log.warning("disk tier %s: ignoring foreign file %s (%s); further ones are only counted (foreign in"
                         " its stats)", self.root, path, why)  # fmt: skip
 
-    def _remove(self, path: Path, counter: str, why: str) -> None:
+    def _remove(self, path: Path, counter: str, why: str, logged_by_caller: bool = False) -> None:
+        """Remove a file this tier cannot serve, counted; logged once per episode unless the reader that found
+        it names the failure itself (the store logs a failed load with its tier and cause: one line, not two)."""
         self.counters[counter] += 1
-        self._episodes.warn(counter, "disk tier: removing %s: %s (one line per episode; %s counts every file)",
-                            path, why, counter)  # fmt: skip
+        if not logged_by_caller:
+            self._episodes.warn(counter, "disk tier: removing %s: %s (one line per episode; %s counts every file)",
+                                path, why, counter)  # fmt: skip
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
 
@@ -293,7 +296,7 @@ class DiskTier:
             header = self._read_verified(fd, image[:size], key, verify)
         except CorruptChunk as err:
             self._forget(key)
-            self._remove(path, "corrupt", str(err))
+            self._remove(path, "corrupt", str(err), logged_by_caller=True)
             raise
         finally:
             os.close(fd)
