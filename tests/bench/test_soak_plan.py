@@ -25,8 +25,9 @@ def test_every_fault_kind_comes_twice_or_more_inside_the_run_and_the_schedule_is
         n = Counter(f.kind for f in faults)
         assert set(n) == set(kinds) and min(n.values()) >= max(2, int(seconds // 450))
         assert all(0.1 * seconds <= f.at_s <= 0.85 * seconds for f in faults)
-        restarts = [f for f in faults if f.kind in ("server_term", "server_kill")]
-        assert all(f.at_s <= 0.45 * seconds for f in restarts), "restarts early: the second half is one life"
+        early = [f for f in faults if f.kind in ("server_term", "server_kill", "disk_full")]
+        assert all(f.at_s <= 0.45 * seconds for f in early), "restarts early (the second half is one life), and the "
+        "full disk (while the disk tier still fills)"
         assert [f.at_s for f in faults] == sorted(f.at_s for f in faults)
         assert faults == fault_schedule(seconds, 3, kinds) != fault_schedule(seconds, 4, kinds)
 
@@ -96,3 +97,15 @@ def test_log_lines_and_metrics_are_read_as_the_soak_reads_them():
               ("vllm:kvprefetch_hit_tokens_total", (("tier", "disk"),)): 20.0,
               ("vllm:kvprefetch_tier_errors_total", (("kind", "corrupt"), ("tier", "disk"))): 1.0}  # fmt: skip
     assert soak_metrics(parsed) == {"prompt": 100.0, "hit/engine": 30.0, "hit/disk": 20.0, "err/disk/corrupt": 1.0}
+
+
+def test_a_full_disk_must_show_unless_the_disk_tier_was_at_its_capacity():
+    r = SoakResult(600, ("disk_full",), disk_capacity_mb=256)
+    r.faults = [FaultRecord("disk_full", 100, 130, "x"), FaultRecord("disk_full", 300, 330, "x")]
+    r.samples = [Sample(95, 0, 1000, 10, 10, 1, 120.0), Sample(295, 0, 1000, 10, 10, 1, 255.0)]
+    r.metrics = [MetricSample(99, 0, {"err/disk/no_space": 0}), MetricSample(135, 0, {"err/disk/no_space": 7})]
+    assert [r.bites(f) for f in r.faults] == [True, False]
+    checks = {name: (ok, detail) for name, ok, detail in r.checks()}
+    assert checks["disk_full in /metrics"] == (True, "tier errors disk/no_space per fault: 7, 0 (tier at capacity)")
+    r.metrics[1] = MetricSample(135, 0, {"err/disk/no_space": 0})  # below capacity and nothing showed: hidden
+    assert not {name: ok for name, ok, _ in r.checks()}["disk_full in /metrics"]

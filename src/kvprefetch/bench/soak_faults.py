@@ -43,7 +43,8 @@ FAULT_KINDS = LIGHT_KINDS + HEAVY_KINDS
 REDIS_DOWN_S = 10.0
 FULL_S = 30.0
 SECOND_ENGINE_CORE = "1"  # the second engines' model beside vLLM alone
-RESTART_BY_S = 0.45  # the server's restarts end by here (share of the run): the second half is one server life
+EARLY_BY_S = 0.45  # the early kinds end by here (share of the run): the second half is one server life
+EARLY_KINDS = (*RESTART_KINDS, "disk_full")  # (a full disk bites only while the disk tier is below its capacity)
 
 
 @dataclass(frozen=True)
@@ -54,12 +55,13 @@ class Fault:
 
 def fault_schedule(seconds: float, seed: int, kinds: tuple[str, ...] = FAULT_KINDS) -> list[Fault]:
     """Every kind at least twice (once more per 450 s beyond 900 s), in a seeded order on evenly spaced slots: the
-    server's own restarts between 10% and 45% of the run (its second half then measures one server life for
-    leaks), the other kinds between 10% and 85%. A fault starts at its slot, or when the one before it ends."""
+    server's own restarts and the full disk between 10% and 45% of the run (its second half then measures one
+    server life for leaks, and the disk tier is still filling when its filesystem fills up), the other kinds
+    between 10% and 85%. A fault starts at its slot, or when the one before it ends."""
     rng = random.Random(seed)
     per_kind = max(2, int(seconds // 450))
-    early = [k for k in kinds if k in RESTART_KINDS] * per_kind
-    rest = [k for k in kinds if k not in RESTART_KINDS] * per_kind
+    early = [k for k in kinds if k in EARLY_KINDS] * per_kind
+    rest = [k for k in kinds if k not in EARLY_KINDS] * per_kind
     rng.shuffle(early)
     rng.shuffle(rest)
 
@@ -67,7 +69,7 @@ def fault_schedule(seconds: float, seed: int, kinds: tuple[str, ...] = FAULT_KIN
         step = (hi - lo) * seconds / max(len(ks), 1)
         return [Fault(lo * seconds + i * step + rng.uniform(0.0, 0.3 * step), k) for i, k in enumerate(ks)]
 
-    return sorted(slots(early, 0.1, RESTART_BY_S) + slots(rest, 0.1, 0.85), key=lambda f: f.at_s)
+    return sorted(slots(early, 0.1, EARLY_BY_S) + slots(rest, 0.1, 0.85), key=lambda f: f.at_s)
 
 
 # ---- the server ---------------------------------------------------------------------------------------------------

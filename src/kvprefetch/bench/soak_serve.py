@@ -96,7 +96,7 @@ class Soak:
         self.mount = self.work / "disk-fs" if "disk_full" in kinds else None
         self.disk = (self.mount or self.work) / "disk"
         self.pool = f"kvpsoak-{uuid.uuid4().hex[:8]}"
-        self.result = SoakResult(seconds, kinds)
+        self.result = SoakResult(seconds, kinds, disk_capacity_mb=DISK_CAPACITY / 2**20)
         self.conversations = [Conversation(seed * 1000 + k) for k in range(sessions)]
         self.t0 = 0.0
 
