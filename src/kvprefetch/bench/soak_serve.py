@@ -55,8 +55,8 @@ SAMPLE_S = 5.0
 # spinning threads then make each other wait whole spin periods: TTFTs of 1 and 2 s on two cores).
 OURS_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
 REF_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "1"}
-DISK_CAPACITY = 256 << 20
-DISK_FS_BYTES = 320 << 20  # the disk tier's own tmpfs: its capacity and room for files being written
+DISK_CAPACITY = 512 << 20  # full at about half of a 900 s run: the full disk (early) bites, growth (late) levels
+DISK_FS_BYTES = 600 << 20  # the disk tier's own tmpfs: its capacity and room for files being written
 ENGINE_KV_BYTES = 18 << 20  # one 4096-token context and a bit: the sessions' turns come back to the tiers
 DRAM_BYTES = 16 << 20  # smaller than the conversations' chunks: turns read the disk tier too
 
