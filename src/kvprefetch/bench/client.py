@@ -39,6 +39,16 @@ def shm_mapped_by_group(pgid: int) -> set[Path]:
     return found
 
 
+def unlink_all(paths: set[Path]) -> int:
+    """Unlink shared-memory segments (`shm_mapped_by_group`'s) a killed group left; how many were still there."""
+    n = 0
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            n += 1
+    return n
+
+
 class ForkedProcess:
     """An engine process forked by the zygote (`kvprefetch.bench.zygote`), with what `EngineProcess` uses of a
     `Popen`: text pipes to its stdin and from its stdout, `poll`, `wait`, `kill`. It is not this process's
@@ -198,9 +208,7 @@ class EngineProcess:
         self.proc.kill()
         self.proc.wait()
         self._end_group()
-        for path in segments:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+        unlink_all(segments)
         self._log.close()
 
     def _end_group(self) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from kvprefetch.bench.client import shm_mapped_by_group
+from kvprefetch.bench.client import shm_mapped_by_group, unlink_all
 from kvprefetch.bench.local_servers import RedisServer, free_port
 from kvprefetch.bench.server import OpenAIServer, parse_metrics
 from kvprefetch.bench.soak_load import complete_sync, prompt_words
@@ -131,7 +131,7 @@ class ServedNode:
         took = time.monotonic() - t0
         _wait_group_gone(pgid)
         self.server.stop()
-        return took, _unlink(segments)
+        return took, unlink_all(segments)
 
     def kill(self) -> int:
         """SIGKILL to the whole group (a crash); the vLLM shared-memory segments it left, unlinked."""
@@ -155,7 +155,7 @@ def kill_group(server: OpenAIServer) -> int:
     server.proc.wait()
     _wait_group_gone(pgid)
     server.stop()
-    return _unlink(segments)
+    return unlink_all(segments)
 
 
 def _wait_group_gone(pgid: int, timeout: float = 30) -> None:
@@ -166,15 +166,6 @@ def _wait_group_gone(pgid: int, timeout: float = 30) -> None:
         except ProcessLookupError:
             return
         time.sleep(0.2)
-
-
-def _unlink(paths: set[Path]) -> int:
-    n = 0
-    for p in paths:
-        with contextlib.suppress(FileNotFoundError):
-            p.unlink()
-            n += 1
-    return n
 
 
 def soak_metrics(m: dict) -> dict[str, float]:

@@ -97,6 +97,7 @@ class Soak:
         self.disk = (self.mount or self.work) / "disk"
         self.pool = f"kvpsoak-{uuid.uuid4().hex[:8]}"
         self.result = SoakResult(seconds, kinds, disk_capacity_mb=DISK_CAPACITY / 2**20)
+        self.schedule = fault_schedule(seconds, seed, kinds)
         self.conversations = [Conversation(seed * 1000 + k) for k in range(sessions)]
         self.t0 = 0.0
 
@@ -142,7 +143,7 @@ class Soak:
 
     # ---- faults and samples -------------------------------------------------------------------------------------
     async def _faults(self, injector: Injector, stop: float) -> None:
-        for f in fault_schedule(self.seconds, self.seed, self.kinds):
+        for f in self.schedule:
             await asyncio.sleep(max(0.0, self.t0 + f.at_s - time.monotonic()))
             if time.monotonic() >= stop:
                 return
@@ -197,8 +198,7 @@ class Soak:
             node.start()
             ref = OpenAIServer(self._serve_argv(None), self.out / "reference.log", free_port(), env=REF_ENV)
             node.wait_ready(900)
-            injector.start_engines(sum(f.kind == "engine_kill" for f in fault_schedule(self.seconds, self.seed,
-                                                                                        self.kinds)))  # fmt: skip
+            injector.start_engines(sum(f.kind == "engine_kill" for f in self.schedule))
             for server in [ref, *injector.engines]:
                 server.wait_ready(900)
             asyncio.run(self._drive(node, ref, injector))

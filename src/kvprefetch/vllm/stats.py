@@ -164,26 +164,24 @@ class StatsTracker:
         """The deltas since the last call (None when nothing moved: vLLM then sends nothing)."""
         with self._lock:
             now = self.counters.snapshot()
-            last = self._last_counters
-            counters = {k: v - last.get(k, 0) for k, v in now.items() if v != last.get(k, 0)}
+            counters = _moved(now, self._last_counters)
             self._last_counters = now
             io_now = self._io_now()
-            io: dict[str, dict[str, float]] = {}
-            for key, fields in io_now.items():
-                last = self._last_io.get(key, {})
-                delta = {f: x - last.get(f, 0.0) for f, x in fields.items() if x != last.get(f, 0.0)}
-                if delta:
-                    io[key] = delta
+            io = {key: d for key, fields in io_now.items() if (d := _moved(fields, self._last_io.get(key, {})))}
             if io_now:
                 self._last_io = io_now
             errors_now = self._errors_now()
-            last_errors = self._last_errors
-            errors = {k: n - last_errors.get(k, 0) for k, n in errors_now.items() if n != last_errors.get(k, 0)}
+            errors = _moved(errors_now, self._last_errors)
             if errors_now:
                 self._last_errors = errors_now
         if not counters and not io and not errors:
             return None
         return KVPrefetchStats(data={"counters": counters, "io": io, "errors": errors})
+
+
+def _moved(now: Mapping[str, float], last: Mapping[str, float]) -> dict[str, Any]:
+    """What moved between two readings of cumulative values, by key (keys that did not move left out)."""
+    return {k: v - last.get(k, 0) for k, v in now.items() if v != last.get(k, 0)}
 
 
 def vllm_hit_sources(tier_tokens: Mapping[str, int], num_external_tokens: int) -> dict[CacheHitSource, int]:
