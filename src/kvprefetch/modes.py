@@ -27,6 +27,9 @@ class Mode:
     keep_warm_s: the connector's lease on finish (a finished request's chunks kept in DRAM that long).
     warm_calls: the client calls the warm-up API when a tool call starts (the agent workload's known prefix).
     policy: the value of the simulator's `Policy` that models the mode; None: the simulator does not replay it.
+    nodes: a mode of the two-node scenario only (two engines, each in a network namespace of its own);
+    `recompute` runs there too. pool: its nodes' tier below DRAM is the shared pool, over the node's link.
+    pinned: each session stays on one node (a cache-aware router); else turn k is served by node k mod 2.
     """
 
     name: str
@@ -42,6 +45,9 @@ class Mode:
     two_instance: bool = False
     remote: bool = False
     peer: bool = False
+    nodes: bool = False
+    pool: bool = False
+    pinned: bool = False
 
 
 _ALL = (
@@ -74,6 +80,15 @@ _ALL = (
     Mode("private-2x", "two engines at once, turns alternating between them, a cache each (own DRAM pool and disk "
          "tier, both starting from the prelude), prefetch on", connector=True, prefetch=True, load_mode="auto",
          two_instance=True),
+    # the two-node scenario (`kvprefetch bench --scenario two-node`): turns alternate nodes unless pinned
+    Mode("local-only", "two nodes, each with its own DRAM tier and no pool: a turn on the other node than its "
+         "conversation's last finds nothing there", connector=True, prefetch=True, load_mode="auto", nodes=True),
+    Mode("pool-sync", "two nodes, DRAM tier each over the shared pool (read over the node's link): loads from the "
+         "pool block the engine step", connector=True, load_mode="sync", nodes=True, pool=True),
+    Mode("pool-prefetch", "two nodes, DRAM tier each over the shared pool: prefetch on arrival, load_mode auto",
+         connector=True, prefetch=True, load_mode="auto", nodes=True, pool=True),
+    Mode("same-node", "pool-prefetch with each conversation pinned to one node (what a cache-aware router "
+         "achieves)", connector=True, prefetch=True, load_mode="auto", nodes=True, pool=True, pinned=True),
 )  # fmt: skip
 
 MODE: dict[str, Mode] = {m.name: m for m in _ALL}

@@ -39,6 +39,7 @@ class Topology(StrEnum):
 class Scenario(StrEnum):
     single = "single"
     two_instance = "two-instance"
+    two_node = "two-node"
 
 
 class RemoteBackend(StrEnum):
@@ -221,11 +222,26 @@ CellTimeoutOpt = Annotated[float, typer.Option(help="Seconds one mode x concurre
 ScenarioOpt = Annotated[
     Scenario,
     typer.Option(
-        help="'single' (default: one engine per mode) or 'two-instance': two engines at once, turns "
+        help="'single' (default: one engine per mode); 'two-instance': two engines at once, turns "
         "alternating between them, with one shared node-local cache (shared-2x) and with a cache each "
         "(private-2x); runs only those two unless -m adds modes; there the prelude holds only each "
-        "conversation's first message and --turns defaults to 4."
+        "conversation's first message and --turns defaults to 4; 'two-node' (root): two nodes in network "
+        "namespaces of their own, each with its own DRAM tier, reading a shared pool (Redis) over a link "
+        "shaped to the whitepaper's node's rate scaled to this engine; turns alternate nodes; modes "
+        "recompute, local-only, pool-sync, pool-prefetch, same-node (-m picks among them); --faults after the "
+        "rounds; the chat workload's prelude holds only each conversation's first message there too."
     ),
+]
+FaultsOpt = Annotated[
+    str,
+    typer.Option(
+        help="The two-node scenario's faults, after its rounds, during pool-prefetch at the highest level: 'link' "
+        "(every node's link to the pool down for 10 s), 'pool' (the pool's server SIGKILLed, restarted empty "
+        "5 s later), a comma list, or 'none'."
+    ),
+]
+NodeDiskOpt = Annotated[
+    bool, typer.Option(help="The two-node scenario: a local disk tier on each node (default: diskless nodes).")
 ]
 RemoteBackendOpt = Annotated[
     RemoteBackend, typer.Option(help="Server of the prefetch-remote mode (-m prefetch-remote): redis or mooncake.")
@@ -272,15 +288,22 @@ class BenchArgs:
     cell_timeout: float = 1800
     scenario: Scenario = Scenario.single
     remote_backend: RemoteBackend = RemoteBackend.redis
+    faults: str = "link,pool"
+    node_disk: bool = False
 
     @property
     def two_instance(self) -> bool:
         return self.scenario == Scenario.two_instance
 
     @property
+    def two_node(self) -> bool:
+        return self.scenario == Scenario.two_node
+
+    @property
     def turns_asked(self) -> int | None:
-        """--turns, or 4 for the two-instance scenario (each engine serves every other turn)."""
-        return self.turns if self.turns is not None or not self.two_instance else 4
+        """--turns, or 4 for the two-instance and two-node scenarios' chat (each engine serves every other turn)."""
+        two = self.two_instance or (self.two_node and self.workload == Workload.chat)
+        return self.turns if self.turns is not None or not two else 4
 
 
 def bench(
@@ -320,6 +343,8 @@ def bench(
     cell_timeout: CellTimeoutOpt = 1800,
     scenario: ScenarioOpt = Scenario.single,
     remote_backend: RemoteBackendOpt = RemoteBackend.redis,
+    faults: FaultsOpt = "link,pool",
+    node_disk: NodeDiskOpt = False,
 ) -> None:
     """The main benchmark: TTFT and throughput of tiered prefetch vs recompute, on-demand loads, all-in-DRAM and
     vLLM's own connector, on real vLLM engines, over a concurrency sweep, in a declared storage regime."""
@@ -337,7 +362,7 @@ def bench_options(a: BenchArgs) -> BenchOptions:
     from kvprefetch.cli_args import parse_size
     from kvprefetch.workload.replay import CONTEXT_MAX_NUM_SEQS
 
-    first, sweep = _regimes(a.regime)
+    first, sweep = _regimes(a.regime) if not a.two_node else (None, [])  # there the link is the regime
     agent = _agent(a)
     chat, chat_preset = _chat(a)
     modes, concurrency = _modes_and_levels(a, agent)
@@ -353,17 +378,45 @@ def bench_options(a: BenchArgs) -> BenchOptions:
         kv_cache_bytes=parse_size(a.kv_cache) if a.kv_cache else None,
         dram_bytes=parse_size(a.dram) if a.dram else None,
         out=a.out or Path("bench-results") / dt.datetime.now().strftime("%Y%m%d-%H%M%S"),
+        two_node=_two_node(a),
     )  # fmt: skip
+
+
+def _two_node(a: BenchArgs):
+    """The two-node scenario's options (None: another scenario)."""
+    if not a.two_node:
+        return None
+    from kvprefetch.bench.two_node import TwoNodeOptions
+
+    if a.workload == Workload.agent or a.trace is not None:
+        raise typer.BadParameter("the two-node scenario runs the context and chat workloads")
+    from kvprefetch.bench.netns import available
+
+    if (why := available()) is not None:
+        raise typer.BadParameter(f"the two-node scenario makes network namespaces: {why}")
+    if a.remote_backend != RemoteBackend.redis:
+        raise typer.BadParameter("the two-node scenario's pool is redis-server for now (--remote-backend redis)")
+    faults = tuple(f.strip() for f in a.faults.split(",") if f.strip() and f.strip() != "none")
+    try:
+        return TwoNodeOptions(faults=faults, node_disk=a.node_disk)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
 
 
 def _asked_modes(a: BenchArgs) -> list[str]:
     """-m's modes (repeated or comma lists), each checked; the two-instance scenario adds its two."""
-    from kvprefetch.bench.modes import MODES, TWO_INSTANCE_MODES
+    from kvprefetch.bench.modes import MODES, TWO_INSTANCE_MODES, TWO_NODE_MODES
 
     modes = [m.strip() for item in (a.mode or []) for m in item.split(",") if m.strip()]
     for m in modes:
         if m not in MODES:
             raise typer.BadParameter(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+    if a.two_node:
+        if bad := [m for m in modes if m not in TWO_NODE_MODES]:
+            raise typer.BadParameter(f"the two-node scenario runs {', '.join(TWO_NODE_MODES)}, not {', '.join(bad)}")
+        return modes or list(TWO_NODE_MODES)
+    if nodes := [m for m in modes if m not in ("recompute",) and m in TWO_NODE_MODES]:
+        raise typer.BadParameter(f"{', '.join(nodes)}: modes of --scenario two-node")
     if a.two_instance:
         modes = [m for m in modes if m not in TWO_INSTANCE_MODES] + list(TWO_INSTANCE_MODES)
     return modes
@@ -418,6 +471,7 @@ def _chat(a: BenchArgs) -> tuple[ChatBench, bool]:
 
     preset = a.workload == Workload.chat or a.no_reuse or a.trace is not None or a.two_instance
     chat = ChatBench() if preset else CONTEXT
+    two_node_chat = a.two_node and a.workload == Workload.chat
     if a.quick:
         chat = replace(chat, min_sessions=2, sessions_per_concurrency=1.0)
     sizes = dict(system_tokens=a.system_tokens, history_tokens=a.history_tokens, user_tokens=a.user_tokens,
@@ -426,7 +480,7 @@ def _chat(a: BenchArgs) -> tuple[ChatBench, bool]:
     kw = {k: v for k, v in sizes.items() if v is not None}
     if a.no_reuse:
         kw["reuse"] = False
-    if a.two_instance:
+    if a.two_instance or two_node_chat:
         # the prelude holds each conversation's first message only: every later turn's prefix was computed
         # by the turn before it, on the other engine (a hit only where the cache is shared)
         kw["prelude_turns"] = 1

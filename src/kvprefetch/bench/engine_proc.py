@@ -194,6 +194,9 @@ def place(spec: P.EngineSpec) -> P.EngineSpec:
         os.environ.update(tp_cpu_env(tp))
         return spec
     os.environ[OMP_BIND] = omp_threads_bind(tp, list(topo.model_cpus))
+    if topo.inproc:
+        os.sched_setaffinity(0, topo.host_cpus)  # every thread this process starts from now on, there
+        return spec
     return spec.model_copy(update={"engine_args": {"distributed_executor_backend": "mp"} | spec.engine_args})
 
 
@@ -294,6 +297,7 @@ class Requests:
                     rec["error"] = f"finish_reason={reason}"
                 rec["cached_tokens"] = int(o.num_cached_tokens or 0)
                 rec["cached_local"], rec["cached_external"] = self._prefill.pop(o.request_id, (None, None))
+                rec["output_ids"] = list(c.token_ids) if c is not None else []
                 finished.append(o.request_id)
         return finished
 
@@ -451,14 +455,16 @@ def preload_dram(max_chunks: int | None = None) -> dict:
 def cool_dram(child: EngineChild) -> dict:
     """Drop every chunk of the disk tier from the DRAM pool (writes flushed first): a cell then starts with
     only the disk tier warm, as the first round's did. The leases of the cell before end first (they would carry
-    its chunks into this one); nothing else is pinned between cells."""
+    its chunks into this one); nothing else is pinned between cells. Without a disk tier (the two-node
+    scenario's diskless nodes) every unpinned chunk goes: the tier below (the pool) holds what the node wrote."""
     c = _scheduler_connector()
     if c is None:
         return {"dropped": 0}
     store = c.store
     child.flush()  # (every process's: with the workers in other processes, they save)
     leases = c.end_leases()
-    keys = _disk_keys(Path(store.config.disk.path))
+    on_disk = store.config.disk_enabled
+    keys = _disk_keys(Path(store.config.disk.path)) if on_disk else list(store.dram.unpinned_ticks())
     return {"dropped": sum(1 for k in keys if store.dram.discard(k)), "leases_ended": leases}
 
 
@@ -609,6 +615,8 @@ def op_run(child: EngineChild, req: P.Run) -> dict:
     """One level (or the prelude) of the workload file, with the counters and CPU meters around it."""
     w = child.workload(req.file)
     sessions = w["prelude"] if req.level == "prelude" else w["levels"][str(req.level)]
+    if req.only is not None:
+        sessions = [s for s in sessions if s["sid"] in set(req.only)]
     if req.salt:
         sessions = salted(sessions, req.salt, child.engine.model_config.get_vocab_size())
     before = child.snapshot()

@@ -32,8 +32,10 @@ def known_failure(mode: str, reason: str | None) -> str | None:
 TWO_INSTANCE_MODES = tuple(n for n, m in MODE.items() if m.two_instance)
 PEER_MODES = tuple(n for n, m in MODE.items() if m.peer)  # other projects' connectors, each with a store of its own
 REMOTE_MODES = tuple(n for n, m in MODE.items() if m.remote)
+NODE_MODES = tuple(n for n, m in MODE.items() if m.nodes)  # the two-node scenario's own (recompute runs there too)
+TWO_NODE_MODES = ("recompute", *NODE_MODES)  # the two-node scenario's modes, in its order
 
-CONNECTOR_MODES = tuple(n for n, m in MODE.items() if m.connector and not (m.two_instance or m.remote))
+CONNECTOR_MODES = tuple(n for n, m in MODE.items() if m.connector and not (m.two_instance or m.remote or m.nodes))
 SYNC_MODES = tuple(n for n, m in MODE.items() if m.load_mode == "sync")  # loads inside the engine step
 SERIAL_READS = tuple(n for n, m in MODE.items() if m.serial)  # one read in flight: io.threads = 1
 
@@ -60,6 +62,14 @@ def route_turn(turn: int, engines: int = 2) -> int:
     return turn % engines
 
 
+def route(mode: str, session: int, turn: int, engines: int = 2) -> int:
+    """Which node serves turn `turn` of session `session` in the two-node scenario: a pinned mode's sessions stay
+    on one node each (session i on i mod n, as a cache-aware router keeps them); every other mode's turns
+    alternate, session i's turn k on (i + k) mod n, so each turn lands on another node than the one before it
+    and the nodes share every turn's load. Turn -1 is the prelude's (the conversation so far)."""
+    return session % engines if MODE[mode].pinned else (session + turn) % engines
+
+
 def two_instance_caches(mode: str, work: Path, pool_prefix: str, engines: int = 2) -> list[tuple[Path, str]]:
     """(disk directory, DRAM pool name) per engine: one of each for all (shared-2x), or one each (private-2x)."""
     if mode == "shared-2x":
@@ -84,8 +94,13 @@ def availability(mode: str, cuda: bool, remote_backend: str = "redis") -> tuple[
         return False, f"unknown mode {mode!r}"
     if mode in SYNC_MODES and not connector_has_setting("load_mode"):
         return False, "the connector has no load_mode setting yet (synchronous loads)"
-    if mode in REMOTE_MODES and not remote_available(remote_backend):
+    if (mode in REMOTE_MODES or MODE[mode].pool) and not remote_available(remote_backend):
         return False, f"the {remote_backend} server is not installed"
+    if MODE[mode].nodes:
+        from kvprefetch.bench.netns import available
+
+        if (why := available()) is not None:
+            return False, why
     if mode == "lmcache":
         if not cuda:
             return False, "LMCache's connector needs CUDA"
@@ -175,6 +190,37 @@ def kv_transfer_config(mode: str, sizing: StoreSizing, disk_dir: Path, pool: str
     if mode == "lmcache":
         return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     raise ValueError(mode)
+
+
+def node_transfer_config(mode: str, sizing: StoreSizing, pool: str, *, remote: dict | None,
+                         disk_dir: Path | None = None) -> dict | None:  # fmt: skip
+    """vLLM's kv_transfer_config for one node of a two-node mode: its own DRAM tier (pool name `pool`), a local
+    disk tier only with `disk_dir` (the whitepaper's GPU servers are diskless), and the shared pool below for the
+    pool modes (`remote`: the store's remote section, reached over the node's link)."""
+    if mode == "recompute":
+        return None
+    m = MODE[mode]
+    if not m.nodes:
+        raise ValueError(f"{mode} is not a two-node mode")
+    if m.pool and remote is None:
+        raise ValueError(f"{mode} needs the pool's remote section")
+    extra = kvprefetch_extra(sizing, disk_dir or Path("/nonexistent"), pool, prefetch=m.prefetch,
+                             sync=m.load_mode == "sync")  # fmt: skip
+    tiers = ["dram"]
+    if disk_dir is None:
+        del extra["disk"]
+    else:
+        tiers.append("disk")
+    if m.pool:
+        tiers.append("remote")
+        extra["remote"] = remote
+    extra["tiers"] = tiers
+    return {
+        "kv_connector": "KVPrefetchConnector",
+        "kv_connector_module_path": "kvprefetch.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
 
 
 def lmcache_env(sizing: StoreSizing, disk_dir: Path) -> dict[str, str]:

@@ -18,6 +18,7 @@ from kvprefetch.bench.modes import MODES, TWO_INSTANCE_MODES, StoreSizing, avail
 from kvprefetch.bench.protocol import EngineSpec, Placement
 from kvprefetch.bench.regime import DEFAULT_REGIME
 from kvprefetch.bench.topology import Topology, TopologyKind, plan_topology
+from kvprefetch.bench.two_node import TwoNodeOptions
 from kvprefetch.modes import SIMULATED as BENCH_MODES
 from kvprefetch.workload.agent import AgentBench, agent_workload
 from kvprefetch.workload.replay import (
@@ -80,6 +81,7 @@ class BenchOptions:
     remote_backend: str = "redis"  # the prefetch-remote mode's server: redis or mooncake
     repeats: int = 3  # rounds of every cell, modes interleaved within a round (kvprefetch.bench.rounds)
     topology: TopologyKind = "gpu-node"  # where the engines' threads run (kvprefetch.bench.topology)
+    two_node: TwoNodeOptions | None = None  # the two-node scenario (`kvprefetch.bench.two_node_run`)
 
 
 # ---- model --------------------------------------------------------------------------------------------------
@@ -249,8 +251,8 @@ class BenchPlan:
         total = 25 + 15 + self.workload.prelude_tokens() / EST_PREFILL_TPS + 20
         for m in self.running:
             calibrate = CALIBRATE_EST_S if m in BENCH_MODES and self.calibrates else 0.0
-            two = m in TWO_INSTANCE_MODES
-            rounds = 1 if two else o.repeats * (1 + len(o.sweep))
+            two = m in TWO_INSTANCE_MODES or o.two_node is not None
+            rounds = o.repeats if o.two_node is not None else 1 if two else o.repeats * (1 + len(o.sweep))
             total += 25 * (2 if two else 1) + calibrate + self.mode_estimate(m, EST_PREFILL_TPS, rounds)
         return total
 
@@ -277,5 +279,5 @@ def plan_bench(opts: BenchOptions) -> BenchPlan:
         modes=modes,
         avail={m: availability(m, cuda, opts.remote_backend) for m in modes},
         # the simulator does not model the agent workload (leases, warm-ups, no engine prefix cache)
-        calibrates=opts.calibrate_modes and opts.agent is None,
+        calibrates=opts.calibrate_modes and opts.agent is None and opts.two_node is None,
     )

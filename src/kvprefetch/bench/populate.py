@@ -7,6 +7,7 @@ further regime of a sweep. Its value, `Populated`, is what the modes' phase star
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -229,3 +230,21 @@ def probe_sweep(plan: BenchPlan, eng: EngineProcess, throttle, tps: float, chunk
     if throttle is not None:
         throttle.set(regime.get("target_read_bps"))
     return out, info, notes
+
+
+def seed_remote(plan: BenchPlan, files: RunFiles, mode: str, eng: EngineProcess,
+                say: Callable[[str, float], None]) -> str:  # fmt: skip
+    """The prelude's chunks copied into the remote tier (its disk tier starts empty); the note saying so."""
+    from kvprefetch.tiers.disk import link_tree
+
+    backend = plan.opts.remote_backend
+    src = files.work / f"seed-{mode}"
+    link_tree(files.populated, src)
+    try:
+        say(f"{mode}: copying the prelude's chunks into {backend}", 0)
+        res: P.Seeded = eng.call(P.SeedRemote(src=str(src)), timeout=1800)
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
+    return (f"{mode}: {res.written} of {res.chunks} prelude chunks put in {backend} ({res.seconds:.1f}s; the rest "
+            "were in its DRAM already, from the warm-up); its disk tier started empty; remote reads are not under "
+            "the regime's disk throttle")  # fmt: skip

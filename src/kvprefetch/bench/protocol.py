@@ -31,6 +31,9 @@ class Placement(_Wire):
 
     model_cpus: list[int]
     host_cpus: list[int]
+    # the model in this process (vLLM's in-process executor), the whole process on host_cpus: a node that is one
+    # core, with no worker process whose shared-memory queue busy-polls that core between steps
+    inproc: bool = False
 
 
 class EngineSpec(_Wire):
@@ -200,6 +203,7 @@ class Run(Request):
     agent: bool = False  # the agent client's warm-up calls and lease samples
     warm_ttl_s: float | None = None  # the warm mode's warm-up calls (None: no calls)
     pressure_life_s: float | None = None  # the DRAM pressure (`kvprefetch.bench.pressure`)
+    only: list[str] | None = None  # run only these sessions (by sid) of the level or prelude
 
 
 class Serve(Request):

@@ -11,6 +11,8 @@ from kvprefetch.bench.agent_report import agent_lines, has_leases, lease_plot
 from kvprefetch.bench.modes import known_failure
 from kvprefetch.bench.rounds import UNSTEADY_RATIO, find_row, paired, unsteady
 from kvprefetch.bench.stats import ratio
+from kvprefetch.bench.two_node_report import markdown_lines as two_node_lines
+from kvprefetch.bench.two_node_report import plots as two_node_plots
 
 WHITEPAPER = {
     "ttft_vs_no_prefetch": "-26% to -32% TTFT p50 (R2, concurrency 8-32)",
@@ -295,6 +297,7 @@ def markdown_report(results: dict) -> str:
         _rank_lines(rows),
         _against_baselines_lines(results, comparisons(rows)),
         agent_lines(results) if agent else [],
+        two_node_lines(results),
         _simulator_lines(results),
         _missing_lines(rows),
         _notes_lines(results.get("notes")),
@@ -693,6 +696,7 @@ def write_outputs(results: dict, out: Path) -> list[str]:
         files.append("calibration.json")
     files += plots(results, out)
     files += lease_plot(results, out)
+    files += two_node_plots(results, out)
     (out / "report.md").write_text(markdown_report(results))
     files.append("report.md")
     return files

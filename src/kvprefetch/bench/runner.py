@@ -52,7 +52,7 @@ from kvprefetch.bench.plan import (
     cuda_available,
     plan_bench,
 )
-from kvprefetch.bench.populate import Populated, RunFiles, populate, remove_pool
+from kvprefetch.bench.populate import Populated, RunFiles, populate, remove_pool, seed_remote
 from kvprefetch.bench.regime import make_throttle, stream_bps
 from kvprefetch.bench.rounds import aggregate
 from kvprefetch.bench.stats import cell_metrics
@@ -149,6 +149,7 @@ class Bench:
         self.regime_label: float | str = opts.regime if opts.regime is not None else "native"  # of the cells now
         self.last_active: tuple[str, float] | None = None  # the mode engine that last ran something, and when
         self.mode_calibrations: dict[str, dict] = {}  # the simulated modes' engines, each after its cells
+        self.two_node: dict | None = None  # the two-node scenario's section of results.json
 
     # -- main -----------------------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -177,7 +178,7 @@ class Bench:
         self.progress.update("done", self.progress.total)
         results = assemble(plan, self.pop, self.files, t_start, machine) | {
             "mode_calibrations": self.mode_calibrations, "notes": self.notes, "rows": aggregate(self.runs),
-            "runs": self.runs}  # fmt: skip
+            "runs": self.runs} | ({"two_node": self.two_node} if self.two_node is not None else {})  # fmt: skip
         if not o.keep_cache:
             shutil.rmtree(self.files.work, ignore_errors=True)
         return results
@@ -212,6 +213,11 @@ class Bench:
             if not plan.avail[m][0]:
                 for c in plan.opts.concurrency:
                     self._add_row({"mode": m, "concurrency": c, "status": "unavailable", "reason": plan.avail[m][1]})
+        if plan.opts.two_node is not None:
+            from kvprefetch.bench.two_node_run import TwoNodeRun
+
+            self.two_node = TwoNodeRun(self, pop, plan.opts.two_node).run()
+            return
         opened: dict[str, _ModeEngine] = {}
         try:
             single = [m for m in plan.running if m not in TWO_INSTANCE_MODES]
@@ -502,22 +508,6 @@ def start_remote_server(plan: BenchPlan, pop: Populated, mode: str, files: RunFi
     return server, remote_section("mooncake", server, segment_bytes=segment)
 
 
-def seed_remote(plan: BenchPlan, files: RunFiles, mode: str, eng: EngineProcess,
-                say: Callable[[str, float], None]) -> str:  # fmt: skip
-    """The prelude's chunks copied into the remote tier (its disk tier starts empty); the note saying so."""
-    backend = plan.opts.remote_backend
-    src = files.work / f"seed-{mode}"
-    _clone_tree(files.populated, src)
-    try:
-        say(f"{mode}: copying the prelude's chunks into {backend}", 0)
-        res: P.Seeded = eng.call(P.SeedRemote(src=str(src)), timeout=1800)
-    finally:
-        shutil.rmtree(src, ignore_errors=True)
-    return (f"{mode}: {res.written} of {res.chunks} prelude chunks put in {backend} ({res.seconds:.1f}s; the rest "
-            "were in its DRAM already, from the warm-up); its disk tier started empty; remote reads are not under "
-            "the regime's disk throttle")  # fmt: skip
-
-
 # ---- results ----------------------------------------------------------------------------------------------------
 def assemble(plan: BenchPlan, pop: Populated | None, files: RunFiles, t_start: float, machine: dict) -> dict:
     """results.json's content but the rows, notes and mode calibrations (which the run adds)."""
@@ -581,6 +571,8 @@ def simulator_prediction(results: dict) -> list[dict]:
         if not results["regime"].get("read_bps") or not results["regime"].get("decode_step_s"):
             return []
         if results["workload"].get("kind") == "agent":  # not modelled: leases, warm-ups, tool gaps
+            return []
+        if "two_node" in results:  # two nodes and a link: `kvprefetch sim --scenario cluster` projects those
             return []
         out = predict_bench(results)
         results["calibration"] = asdict(calibration_from_results(results))

@@ -152,6 +152,27 @@ def _step_checks(results_paths: list[Path], runs: list[BenchResults]) -> list:
     return rows
 
 
+def _run_cluster(nodes: str, concurrency: str | None, json_path: Path | None, plots: Path | None) -> None:
+    """`--scenario cluster`: N nodes on one array (`kvprefetch.sim.cluster`), per concurrency asked."""
+    import json
+
+    from kvprefetch.sim.cluster import lines, plot, project
+
+    try:
+        ns = [int(x) for x in nodes.split(",") if x.strip()]
+        levels = [int(x) for x in concurrency.split(",")] if concurrency else [16]
+        projections = [project(ns, c) for c in levels]
+    except ValueError as err:
+        raise typer.BadParameter(f"--nodes/--concurrency: {err}") from None
+    for p in projections:
+        for line in lines(p):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+        if plots:
+            console.print(f"wrote {plot(p, plots / f'cluster_c{p.concurrency}.png')}")
+    if json_path:
+        json_path.write_text(json.dumps([p.to_json() for p in projections], indent=2) + "\n")
+
+
 def _run_scenario(name: str, trace: Path, json_path: Path | None, plots: Path | None) -> None:
     from kvprefetch.sim.plots import ttft_vs_concurrency
     from kvprefetch.sim.report import mooncake_rows, print_rows, whitepaper_rows, write_json
@@ -195,7 +216,11 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def sim(
         scenario: Annotated[
-            str | None, typer.Option(help="validation scenario, 'all', or 'bench' (with --bench-results)")
+            str | None,
+            typer.Option(
+                help="validation scenario, 'all', 'bench' (with --bench-results), or 'cluster': the whitepaper's "
+                "deployment on --nodes N nodes sharing its array (--concurrency: clients per node, default 16)"
+            ),
         ] = None,
         bench_results: Annotated[
             list[Path] | None,
@@ -254,10 +279,16 @@ def register(app: typer.Typer) -> None:
         trace: Path = Path("../shared/data/mooncake/synthetic_trace.jsonl"),
         json: Annotated[Path | None, typer.Option("--json", help="write rows as JSON")] = None,
         plots: Annotated[Path | None, typer.Option(help="directory for PNG plots")] = None,
+        nodes: Annotated[
+            str, typer.Option(help="--scenario cluster: numbers of nodes sharing the whitepaper's array")
+        ] = "1,2,4,8,16",
     ) -> None:
         """Simulate tiered KV serving: reproduce published figures or plan a deployment."""
         if scenario == "bench":
             _run_bench_scenario(bench_results, json)
+            return
+        if scenario == "cluster":
+            _run_cluster(nodes, concurrency, json, plots)
             return
         if scenario:
             _run_scenario(scenario, trace, json, plots)

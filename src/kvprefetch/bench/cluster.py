@@ -1,0 +1,139 @@
+"""The two-node scenario's cluster on one machine (issue 41): a pool namespace holding the shared tier's server
+(the whitepaper's array) and a namespace per node, each node joined to the pool by a veth link shaped to the
+declared rate (`kvprefetch.bench.two_node.link_rate`). The engines run in the node namespaces (their
+`EngineSpec.netns`), the bench's client outside, talking to them over pipes as on one node.
+
+The faults the scenario injects are verbs here: every node's link to the pool down and up, the pool's server
+SIGKILLed and restarted (empty, on the same port: what a node sees of a pool that lost its memory).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvprefetch.bench.local_servers import RedisServer
+from kvprefetch.bench.netns import PREFIX, Fabric, Link, namespaces
+from kvprefetch.bench.protocol import Placement
+
+NODES = ("node-a", "node-b")
+
+
+def node_placement(node: int, nodes: int, cores: list[int] | None = None) -> Placement:
+    """Node `node`'s cores: the machine's cores split evenly between the nodes, a node's engine (model, scheduler,
+    connector threads) on its share only, so one node's work never runs on another's cores. A share of one core
+    (a 2-core machine) runs the model in the engine's own process (`Placement.inproc`); a larger share splits as
+    the gpu-node topology does, a quarter of it for the host side."""
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if len(cores) < nodes:
+        raise ValueError(f"{nodes} nodes need {nodes} cores, this process has {len(cores)}")
+    share = len(cores) // nodes
+    mine = cores[node * share : (node + 1) * share]
+    if share == 1:
+        return Placement(model_cpus=mine, host_cpus=mine, inproc=True)
+    host = max(1, share // 4)
+    return Placement(model_cpus=mine[:-host], host_cpus=mine[-host:])
+
+
+@dataclass(frozen=True)
+class PoolReach:
+    """How a node reaches the pool: over its own link, at the pool end's address."""
+
+    node: int
+    ns: str
+    link: Link
+
+    @property
+    def pool_ip(self) -> str:
+        return self.link.a.ip
+
+
+class TwoNodeCluster:
+    """Three namespaces (pool, node-a, node-b), a shaped link from each node to the pool, the pool's server.
+    A context manager: everything is removed on exit, also when the run fails or is interrupted (the bench turns
+    SIGTERM into an exception); `netns.sweep()` removes what a SIGKILLed run left."""
+
+    def __init__(self, workdir: Path, rate_bps: int | None, backend: str = "redis", nodes: int = 2):
+        if backend != "redis":
+            raise ValueError(f"the two-node scenario's pool runs redis for now, not {backend!r}")
+        if nodes > len(NODES):
+            raise ValueError(f"at most {len(NODES)} nodes")
+        self.workdir, self.rate_bps, self.backend, self.n = workdir, rate_bps, backend, nodes
+        self.fabric = Fabric()
+        self.reach: list[PoolReach] = []
+        self.server: RedisServer | None = None
+        self.pool_ns = ""
+
+    def __enter__(self) -> TwoNodeCluster:
+        self.fabric.__enter__()
+        try:
+            self.pool_ns = self.fabric.ns("pool")
+            for e in range(self.n):
+                ns = self.fabric.ns(NODES[e])
+                self.reach.append(PoolReach(e, ns, self.fabric.link(self.pool_ns, ns, self.rate_bps)))
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            self.server = RedisServer(self.workdir, netns=self.pool_ns)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def node_ns(self, node: int) -> str:
+        return self.reach[node].ns
+
+    def remote_section(self, node: int, key_prefix: str, retry_after_s: float) -> dict:
+        """The store's `remote` section of node `node`: the pool's server at its end of that node's link."""
+        assert self.server is not None
+        return {"backend": "redis", "key_prefix": key_prefix, "retry_after_s": retry_after_s,
+                "redis": {"url": self.server.url_at(self.reach[node].pool_ip)}}  # fmt: skip
+
+    def pool_cpu_s(self) -> float | None:
+        """CPU seconds the pool's server has used (user + system), None when it is not running: on this machine it
+        shares the nodes' cores, which a real array does not."""
+        proc = self.server.proc if self.server is not None else None
+        if proc is None:
+            return None
+        try:
+            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    # -- faults ------------------------------------------------------------------------------------------------
+    def set_links(self, up: bool) -> None:
+        """Every node's link to the pool down (nothing crosses it) or back up."""
+        for r in self.reach:
+            self.fabric.set_up(r.link, up)
+
+    def kill_pool(self) -> None:
+        """The pool's server SIGKILLed: what it held is gone."""
+        assert self.server is not None
+        self.server.kill()
+
+    def restart_pool(self) -> None:
+        """The pool's server started again, empty, on the same port."""
+        assert self.server is not None
+        self.server.start()
+
+    # -- the end -----------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.kill()
+        self.fabric.close()
+
+    def leftovers(self) -> list[str]:
+        """What this cluster made that is still there (its namespaces, their interfaces, its server): empty once
+        it closed."""
+        tag = f"{PREFIX}{self.fabric.tag}-"
+        left = [f"namespace {ns}" for ns in namespaces() if ns.startswith(tag)]
+        devs = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+        left += [f"interface {line.split(':')[1].strip()}" for line in devs.splitlines()
+                 if f"k{self.fabric.tag}x" in line]  # fmt: skip
+        if self.server is not None and self.server.proc is not None and self.server.proc.poll() is None:
+            left.append(f"redis-server pid {self.server.proc.pid}")
+        return left
