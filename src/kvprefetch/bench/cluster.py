@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvprefetch.bench.local_servers import RedisServer
-from kvprefetch.bench.netns import PREFIX, Fabric, Link, namespaces
+from kvprefetch.bench.netns import PREFIX, Fabric, Link, namespaces, sweep
 from kvprefetch.bench.protocol import Placement
 
 NODES = ("node-a", "node-b")
@@ -65,9 +65,11 @@ class TwoNodeCluster:
         self.reach: list[PoolReach] = []
         self.server: RedisServer | None = None
         self.pool_ns = ""
+        self.swept: list[str] = []
 
     def __enter__(self) -> TwoNodeCluster:
         self.fabric.__enter__()
+        self.swept = sweep()  # what an earlier run killed outright left (never a live process's)
         try:
             self.pool_ns = self.fabric.ns("pool")
             for e in range(self.n):

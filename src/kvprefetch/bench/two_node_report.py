@@ -188,8 +188,13 @@ def markdown_lines(results: dict) -> list[str]:
              "available here, so a link has a rate (tbf) and no distance.", "",
              f"- Link: {link.get('sentence', '-')}."]  # fmt: skip
     if link.get("measured_read_bps"):
+        cpu = link.get("reader_cpu_s_per_mib")
+        cpu_text = "" if cpu is None else (
+            f", {cpu * 1e3:.2f} ms of the node's core per MiB received: "
+            f"{100 * cpu * link['bytes_per_s'] / (1 << 20):.0f}% of the link's time per MiB, which a node that is "
+            "one core cannot overlap with its model")  # fmt: skip
         lines.append(f"- Measured from node-a: {link['measured_read_bps'] / 1e6:,.0f} MB/s (1 MiB values, redis-py, "
-                     "pipelines of 8).")  # fmt: skip
+                     f"pipelines of 8){cpu_text}.")  # fmt: skip
     lines += [f"- The pool's retry pause {section.get('pool_retry_after_s')} s and call timeout "
               f"{section.get('pool_timeout_s')} s (the product's defaults: 5 s and 2 s).", ""]
     lines += ["| pair | metric | " + " | ".join(f"c={c}" for c in levels_of(rows)) + " |",

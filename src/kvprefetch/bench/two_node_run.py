@@ -98,7 +98,9 @@ class TwoNodeRun:
         opened: dict[str, _ModeNodes] = {}
         with TwoNodeCluster(files.work / "pool", self.rate.bits_per_s) as cluster:
             self.cluster = cluster
-            section["link"]["measured_read_bps"] = self._probe_link()
+            if cluster.swept:
+                self.b.notes.append(f"two-node: removed what a run killed outright left: {', '.join(cluster.swept)}")
+            section["link"] |= self._probe_link()
             try:
                 running = plan.running
                 for first in range(0, len(running), LAUNCH_MODES):
@@ -119,9 +121,10 @@ class TwoNodeRun:
         return section | {"wrong_tokens": self.wrong, "faults": self.faults, "seeds": self.seeds}
 
     # -- the link -------------------------------------------------------------------------------------------------
-    def _probe_link(self, mib: int = 64) -> float | None:
-        """The rate node-a reads the pool at (bytes/s): `mib` MiB of 1 MiB values written, then read back with a
-        pipeline of 8, from inside node-a's namespace (redis-py), then deleted."""
+    def _probe_link(self, mib: int = 64) -> dict:
+        """How node-a reads the pool: `mib` MiB of 1 MiB values written, then read back in pipelines of 8 from inside
+        its namespace on its core (redis-py), then deleted: the rate (bytes/s) and the CPU the reader spent per MiB
+        (on a one-core node that CPU is the model's: what prefetching cannot overlap)."""
         c = self.cluster
         assert c is not None and c.server is not None
         url = c.server.url_at(c.reach[0].pool_ip)
@@ -129,20 +132,24 @@ class TwoNodeRun:
             "import redis,time\n"
             f"r=redis.Redis.from_url('{url}', db=15); v=b'x'*(1<<20); n={mib}\n"
             "for i in range(n): r.set(f'probe{i}', v)\n"
-            "t=time.perf_counter()\n"
+            "t=time.perf_counter(); c=time.process_time()\n"
             "for i in range(0,n,8):\n"
             "    p=r.pipeline(); [p.get(f'probe{j}') for j in range(i,min(n,i+8))]; p.execute()\n"
-            "print(n*(1<<20)/(time.perf_counter()-t)); r.flushdb()\n"
+            "print(n*(1<<20)/(time.perf_counter()-t), (time.process_time()-c)/n); r.flushdb()\n"
         )
-        out = subprocess.run(c.fabric.exec_argv(c.node_ns(0), [sys.executable, "-c", code]), capture_output=True,
-                             text=True, timeout=120)  # fmt: skip
+        cpus = ",".join(map(str, node_placement(0, 2).host_cpus))
+        argv = c.fabric.exec_argv(c.node_ns(0), ["taskset", "-c", cpus, sys.executable, "-c", code])
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
         if out.returncode:
             self.b.notes.append(f"two-node: the link probe failed: {out.stderr.strip()[-500:]}")
-            return None
-        bps = float(out.stdout.split()[-1])
-        self.b.notes.append(f"two-node: node-a read the pool at {bps / 1e6:,.0f} MB/s over its link (shaped to "
-                            f"{self.rate.bytes_per_s / 1e6:,.0f} MB/s)")  # fmt: skip
-        return bps
+            return {}
+        bps, cpu_per_mib = (float(x) for x in out.stdout.split()[-2:])
+        link_per_mib = (1 << 20) / self.rate.bytes_per_s
+        self.b.notes.append(
+            f"two-node: node-a read the pool at {bps / 1e6:,.0f} MB/s over its link (shaped to "
+            f"{self.rate.bytes_per_s / 1e6:,.0f} MB/s), spending {cpu_per_mib * 1e3:.2f} ms of its core per MiB "
+            f"received ({100 * cpu_per_mib / link_per_mib:.0f}% of the link's {link_per_mib * 1e3:.2f} ms per MiB)")
+        return {"measured_read_bps": bps, "reader_cpu_s_per_mib": cpu_per_mib}
 
     # -- the nodes ------------------------------------------------------------------------------------------------
     def _sizing(self, mode: str, node: int) -> StoreSizing:
