@@ -105,23 +105,24 @@ def _ttft(r: dict) -> float | None:
     return None if r.get("first_token") is None else r["first_token"] - r["arrival"]
 
 
-def _done(r: dict) -> float | None:
-    """When a request's chunks were written (at its end; its first token where no end was recorded)."""
-    return r.get("finish") if r.get("finish") is not None else r.get("first_token")
+def _written(r: dict) -> float | None:
+    """When a request's chunks went to the pool: the connector saves a prompt's chunks in the step that computes
+    them, its prefill, which ends with the first token (the write-through follows at once)."""
+    return r.get("first_token")
 
 
 def pool_holds(r: dict, recs: list[dict], events: list[dict], retry_s: float = 1.0) -> bool:
     """Whether the pool held a prefix of r's prompt when r arrived: the prelude was seeded before the run and no
     restart of the pool's server has lost it since, or an earlier request of r's conversation (every turn shares
-    its head) finished after the last restart, while the pool was reachable, and wrote it. A node tries the pool
-    again `retry_s` after its last failure: a write sooner after the restart may not have been tried."""
+    its head) computed it after the last restart, while the pool was reachable, and wrote it. A node tries the
+    pool again `retry_s` after its last failure: a write sooner after the restart may not have been tried."""
     restarts = [e["up_s"] for e in events if e["kind"] == "pool" and e.get("up_s") is not None
                 and e["down_s"] <= r["arrival"]]  # fmt: skip
     if not restarts:
         return True
     since = max(restarts) + retry_s
     down = [(e["down_s"], (e["up_s"] if e.get("up_s") is not None else float("inf")) + retry_s) for e in events]
-    return any(q["sid"] == r["sid"] and (t := _done(q)) is not None and since < t < r["arrival"]
+    return any(q["sid"] == r["sid"] and (t := _written(q)) is not None and since < t < r["arrival"]
                and not any(a <= t < b for a, b in down) for q in recs)  # fmt: skip
 
 
@@ -231,8 +232,9 @@ def _fault_lines(faults: dict) -> list[str]:
                      f"{_f(w['first_hit_after_s'])} |")  # fmt: skip
     lines += ["", "A request could hit after a fault when the pool held a prefix of its prompt: the prelude seeded "
               "before the run (lost when the pool's server restarts empty), or its conversation's chunks written "
-              "after the restart by an earlier request that finished while the pool was reachable. \"Hits back "
-              "within\" is when the last such request that still missed arrived, after the fault's end.", ""]
+              "after the restart by an earlier request whose prefill ended while the pool was reachable (and the "
+              "node's retry pause had passed). \"Hits back within\" is when the last such request that still "
+              "missed arrived, after the fault's end.", ""]
     lines.append("![faults](two_node_faults.png)")
     return lines
 
