@@ -74,7 +74,8 @@ def test_goals_from_paired_rounds():
     assert met["pool-prefetch / pool-sync TTFT p50 <= 0.74 at the two highest levels"] is True
     assert met["pool-prefetch / same-node TTFT p50 <= 1.25 at every level >= 8"] is True
     assert met["recompute / pool-prefetch TTFT p50 >= 5x at the highest level"] is True  # 2.0 / 0.25 = 8
-    assert met["local-only's turns on the other node recompute (shown)"] is True
+    shown = next(g for g in goals(rows, section) if g["goal"].startswith("local-only"))
+    assert shown["met"] is None and "c=32: 0% of its prompt found, TTFT p50 7.20x pool-prefetch's" in shown["figures"]
     assert met["every mode's tokens = recompute's"] is True
     assert met["nothing left behind (namespaces, interfaces, qdiscs, pool server)"] is True
     # one round where prefetch lost to same-node by 40% fails the goal at that level (a median over 3 rounds)
