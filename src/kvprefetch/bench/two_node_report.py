@@ -216,6 +216,7 @@ def markdown_lines(results: dict) -> list[str]:
     for g in goals(rows, section):
         met = {True: "yes", False: "**no**", None: "-"}[g["met"]]
         lines.append(f"| {g['goal']} | {met} | {g['figures']} |")
+    lines += ["", "![two nodes](two_node_ttft.png)"]
     lines += _fault_lines(section.get("faults") or {})
     return lines
 
