@@ -25,6 +25,19 @@ def _redis_pids() -> set[int]:
     return {int(p) for p in out.split()}
 
 
+def _inside(tag: str) -> list[int]:
+    """Processes whose command line names one of the run's namespaces (its engines' specs carry their node's)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f"{netns.PREFIX}{tag}-".encode() in f.read():
+                    out.append(int(pid))
+        except OSError:
+            continue
+    return out
+
+
 def _pools() -> set[str]:
     return {p for p in os.listdir("/dev/shm") if p.startswith("kvprefetch-kvb-")}
 
@@ -78,3 +91,4 @@ def test_two_node_short_form(tmp_path):
     assert f"k{tag}x" not in links
     assert _redis_pids() <= redis_before
     assert _pools() <= pools_before
+    assert _inside(tag) == []  # no engine (or anything) started for a node or the pool lives on
