@@ -125,6 +125,6 @@ def plot(p: ClusterProjection, path: Path) -> Path:
     series = {label: {x.nodes: getattr(x, attr) for x in p.points}
               for attr, label in (("prefetch_ttft_p50_s", "prefetch"), ("sync_ttft_p50_s", "on-demand (sync)"),
                                   ("recompute_ttft_p50_s", "recompute"))}  # fmt: skip
-    title = (f"N nodes on one {p.array_bps / 1e9:.2f} GB/s array, c={p.concurrency} per node: saturates at "
-             f"{p.saturates_at:.1f} nodes")  # fmt: skip
+    title = (f"N nodes on one {p.array_bps / 1e9:.2f} GB/s array, c={p.concurrency} per node\n(it saturates at "
+             f"{p.saturates_at:.1f} nodes)")  # fmt: skip
     return ttft_vs_concurrency(series, path, title, xlabel="nodes sharing the array")
