@@ -109,3 +109,18 @@ def test_a_full_disk_must_show_unless_the_disk_tier_was_at_its_capacity():
     assert checks["disk_full in /metrics"] == (True, "tier errors disk/no_space per fault: 7, 0 (tier at capacity)")
     r.metrics[1] = MetricSample(135, 0, {"err/disk/no_space": 0})  # below capacity and nothing showed: hidden
     assert not {name: ok for name, ok, _ in r.checks()}["disk_full in /metrics"]
+
+
+def test_a_damaged_file_shows_when_it_is_first_read_even_during_a_later_fault():
+    # the CI cut's schedule: a damage fault, a full disk 1 s later; the damaged chunks are read during the full disk
+    r = SoakResult(90, ("damage", "disk_full"))
+    r.faults = [FaultRecord("damage", 10, 10, "x"), FaultRecord("disk_full", 11, 19, "x"),
+                FaultRecord("damage", 22, 22, "x"), FaultRecord("disk_full", 28, 37, "x")]  # fmt: skip
+    r.metrics = [MetricSample(9, 0, {"prompt": 100}),
+                 MetricSample(15, 0, {"prompt": 200, "err/disk/corrupt": 4, "err/disk/no_space": 20}),
+                 MetricSample(80, 0, {"prompt": 900, "err/disk/corrupt": 4, "err/disk/missing": 3,
+                                      "err/disk/no_space": 63})]  # fmt: skip
+    assert r.shown(r.faults[0]) == 4  # its window runs to the next damage fault, through the full disk's
+    assert r.shown(r.faults[2]) == 3
+    assert r.fault_moved(r.faults[1]).get("err/disk/no_space") == 20  # other kinds keep their own windows
+    assert {name: ok for name, ok, _ in r.checks()}["damage in /metrics"]

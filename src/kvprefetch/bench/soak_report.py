@@ -24,7 +24,8 @@ VISIBLE_AS: dict[str, tuple[str, ...]] = {
     "damage": ("disk/corrupt", "disk/missing"),
 }
 # Kinds every fault of which must show (a full disk: every one that `bites`). Of the damage faults at least one
-# must: a damaged file shows only if something reads it before it is evicted.
+# must: a damaged file shows only if something reads it before it is evicted, and only when it is read (a short
+# run's conversations may first read it minutes later, during another fault: `fault_moved`).
 EACH_SHOWS = ("redis_kill",)
 
 
@@ -152,8 +153,12 @@ class SoakResult:
         return sum(v for k, v in self.fault_moved(f).items() if k.removeprefix("err/") in VISIBLE_AS.get(f.kind, ()))
 
     def fault_moved(self, f: FaultRecord) -> dict[str, float]:
-        nxt = min((g.start_s for g in self.faults if g.start_s > f.start_s), default=self.seconds)
-        return self.moved(f.start_s, min(f.end_s + SETTLE_S, nxt))
+        """What /metrics moved while the fault was on and `SETTLE_S` after, up to the next fault. A damage fault's
+        damaged files show whenever something first reads them, which can be after other faults began (no other
+        kind makes a chunk corrupt or missing): its window runs to the next damage fault or the run's end."""
+        later = [g.start_s for g in self.faults if g.start_s > f.start_s and (f.kind != "damage" or g.kind == f.kind)]
+        nxt = min(later, default=self.seconds)
+        return self.moved(f.start_s, nxt if f.kind == "damage" else min(f.end_s + SETTLE_S, nxt))
 
     # ---- the checks ---------------------------------------------------------------------------------------------
     def checks(self, min_per_kind: int = 2) -> list[tuple[str, bool, str]]:
