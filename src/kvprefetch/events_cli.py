@@ -10,6 +10,7 @@ router built on them sees. (Batches published before it connected are not seen: 
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -93,6 +94,8 @@ def events(
     if not url.startswith(("tcp://", "ipc://")) or url.startswith("tcp://*"):
         console.print(f"[red]--url takes the address to connect to (tcp://HOST:PORT or ipc://PATH), got {url}[/red]")
         raise typer.Exit(2)
+    # Ctrl-C ends it, also where SIGINT came ignored (a job a non-interactive shell put in the background)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sock = zmq.Context.instance().socket(zmq.SUB)
     sock.connect(url)
     sock.setsockopt_string(zmq.SUBSCRIBE, topic)
