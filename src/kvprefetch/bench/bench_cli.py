@@ -405,7 +405,7 @@ def _two_node(a: BenchArgs):
 
 def _asked_modes(a: BenchArgs) -> list[str]:
     """-m's modes (repeated or comma lists), each checked; the two-instance scenario adds its two."""
-    from kvprefetch.bench.modes import MODES, TWO_INSTANCE_MODES, TWO_NODE_MODES
+    from kvprefetch.bench.modes import MODES, NODE_MODES, TWO_INSTANCE_MODES, TWO_NODE_MODES
 
     modes = [m.strip() for item in (a.mode or []) for m in item.split(",") if m.strip()]
     for m in modes:
@@ -415,7 +415,7 @@ def _asked_modes(a: BenchArgs) -> list[str]:
         if bad := [m for m in modes if m not in TWO_NODE_MODES]:
             raise typer.BadParameter(f"the two-node scenario runs {', '.join(TWO_NODE_MODES)}, not {', '.join(bad)}")
         return modes or list(TWO_NODE_MODES)
-    if nodes := [m for m in modes if m not in ("recompute",) and m in TWO_NODE_MODES]:
+    if nodes := [m for m in modes if m in NODE_MODES]:
         raise typer.BadParameter(f"{', '.join(nodes)}: modes of --scenario two-node")
     if a.two_instance:
         modes = [m for m in modes if m not in TWO_INSTANCE_MODES] + list(TWO_INSTANCE_MODES)

@@ -88,23 +88,27 @@ class TwoNodeCluster:
     def node_ns(self, node: int) -> str:
         return self.reach[node].ns
 
-    def remote_section(self, node: int, key_prefix: str, retry_after_s: float) -> dict:
-        """The store's `remote` section of node `node`: the pool's server at its end of that node's link."""
+    def remote_section(self, node: int, key_prefix: str, retry_after_s: float, timeout_s: float = 2.0,
+                       db: int = 0) -> dict:  # fmt: skip
+        """The store's `remote` section of node `node`: database `db` of the pool's server at its end of that
+        node's link."""
         assert self.server is not None
-        return {"backend": "redis", "key_prefix": key_prefix, "retry_after_s": retry_after_s,
-                "redis": {"url": self.server.url_at(self.reach[node].pool_ip)}}  # fmt: skip
+        return {"backend": "redis", "key_prefix": key_prefix, "retry_after_s": retry_after_s, "timeout_s": timeout_s,
+                "redis": {"url": self.server.url_at(self.reach[node].pool_ip, db)}}  # fmt: skip
 
     def pool_cpu_s(self) -> float | None:
         """CPU seconds the pool's server has used (user + system), None when it is not running: on this machine it
         shares the nodes' cores, which a real array does not."""
+        import psutil
+
         proc = self.server.proc if self.server is not None else None
         if proc is None:
             return None
         try:
-            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            t = psutil.Process(proc.pid).cpu_times()
+        except psutil.Error:
             return None
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return t.user + t.system
 
     # -- faults ------------------------------------------------------------------------------------------------
     def set_links(self, up: bool) -> None:

@@ -59,8 +59,8 @@ class RedisServer:
     def url(self) -> str:
         return self.url_at("127.0.0.1")
 
-    def url_at(self, host: str) -> str:
-        return f"redis://{host}:{self.port}/0"
+    def url_at(self, host: str, db: int = 0) -> str:
+        return f"redis://{host}:{self.port}/{db}"
 
     def start(self) -> None:
         bind = "127.0.0.1" if self.netns is None else "0.0.0.0"

@@ -56,7 +56,7 @@ from kvprefetch.bench.populate import Populated, RunFiles, populate, remove_pool
 from kvprefetch.bench.regime import make_throttle, stream_bps
 from kvprefetch.bench.rounds import aggregate
 from kvprefetch.bench.stats import cell_metrics
-from kvprefetch.bench.two_instance import drive_alternating
+from kvprefetch.bench.two_instance import drive_alternating, session_plan
 from kvprefetch.modes import MODE
 from kvprefetch.modes import SIMULATED as BENCH_MODES
 from kvprefetch.results import SCHEMA_KEY, SCHEMA_VERSION
@@ -456,10 +456,8 @@ class Bench:
             def cell(c: int) -> tuple[dict, dict]:
                 for eng in engines:
                     self._reset(eng, mode, c)
-                plan_ = [{"arrival_s": s.arrival_s, "turns": [{"think_s": t.think_s} for t in s.turns]}
-                         for s in plan.workload.levels[c]]  # fmt: skip
-                res = drive_alternating(engines, plan_, c, plan.opts.cell_timeout_s, f"{mode}-c{c}",
-                                        file=str(files.workload), level=c)  # fmt: skip
+                res = drive_alternating(engines, session_plan(plan.workload.levels[c]), c, plan.opts.cell_timeout_s,
+                                        f"{mode}-c{c}", file=str(files.workload), level=c)  # fmt: skip
                 per_engine = [sum(1 for r in res["records"] if r.get("engine") == e) for e in range(len(engines))]
                 return res, {"engines": len(engines), "requests_per_engine": per_engine}
 

@@ -15,6 +15,12 @@ from kvprefetch.bench.sessions import SessionSchedule
 from kvprefetch.bench.stats import merge_snapshots
 
 
+def session_plan(sessions: list) -> list[dict]:
+    """What the coordinator schedules of a level's sessions (`workload.replay.Session`): each one's arrival and
+    its turns' think times (the engines read the tokens from the workload file)."""
+    return [{"arrival_s": s.arrival_s, "turns": [{"think_s": t.think_s} for t in s.turns]} for s in sessions]
+
+
 def drive_alternating(engines: list, sessions: list[dict], concurrency: int, timeout_s: float, tag: str, *,
                       file: str, level: int, clock: Callable[[], float] = time.monotonic,
                       idle_s: float = 0.001, route: Callable[[int, int], int] | None = None) -> dict:  # fmt: skip

@@ -22,6 +22,7 @@ Its value is results.json's `two_node` section; the rows are the Bench's (`Bench
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import threading
@@ -36,7 +37,7 @@ from kvprefetch.bench.client import EngineError, EngineProcess
 from kvprefetch.bench.cluster import NODES, TwoNodeCluster, node_placement
 from kvprefetch.bench.modes import StoreSizing, node_transfer_config, route
 from kvprefetch.bench.populate import Populated, remove_pool, seed_remote
-from kvprefetch.bench.two_instance import drive_alternating
+from kvprefetch.bench.two_instance import drive_alternating, session_plan
 from kvprefetch.bench.two_node import TwoNodeOptions, link_rate
 from kvprefetch.modes import MODE
 
@@ -63,7 +64,6 @@ class _ModeNodes:
     engines: list[EngineProcess] = field(default_factory=list)
     pools: list[str] = field(default_factory=list)  # each node's DRAM pool
     disks: list[Path] = field(default_factory=list)
-    db: int = POOL_DB
 
 
 @dataclass
@@ -172,11 +172,8 @@ class TwoNodeRun:
             for e in range(2):
                 pool = files.pool(f"{mode}-{NODES[e]}")
                 disk = files.work / f"disk-{mode}-{NODES[e]}" if self.opts.node_disk else None
-                remote = None
-                if MODE[mode].pool:
-                    remote = c.remote_section(e, "kvprefetch:", POOL_RETRY_S)
-                    remote["redis"]["url"] = remote["redis"]["url"].rsplit("/", 1)[0] + f"/{nodes.db}"
-                    remote["timeout_s"] = POOL_TIMEOUT_S
+                pooled = MODE[mode].pool
+                remote = c.remote_section(e, "kvprefetch:", POOL_RETRY_S, POOL_TIMEOUT_S, POOL_DB) if pooled else None
                 kvt = node_transfer_config(mode, self._sizing(mode, e), pool, remote=remote, disk_dir=disk)
                 spec = self.plan.engine_spec(kvt, cgroup=None).model_copy(
                     update={"netns": c.node_ns(e), "topology": node_placement(e, 2)})
@@ -204,8 +201,6 @@ class TwoNodeRun:
         for pool in nodes.pools:
             remove_pool(pool)
         for d in nodes.disks:
-            import shutil
-
             shutil.rmtree(d, ignore_errors=True)
 
     # -- the pool's databases ---------------------------------------------------------------------------------------
@@ -213,7 +208,7 @@ class TwoNodeRun:
         """A pool mode's database emptied, then the prelude's chunks written into it from node-a (over its link)."""
         c = self.cluster
         assert c is not None and c.server is not None
-        argv = ["redis-cli", "-p", str(c.server.port), "-n", str(nodes.db), "FLUSHDB"]
+        argv = ["redis-cli", "-p", str(c.server.port), "-n", str(POOL_DB), "FLUSHDB"]
         subprocess.run(c.fabric.exec_argv(c.pool_ns, argv), check=True, capture_output=True, timeout=60)
         nodes.engines[0].call(P.CoolDram())  # a chunk still in its DRAM would not be written
         t = time.perf_counter()
@@ -253,9 +248,8 @@ class TwoNodeRun:
         return res, self._figures(mode, res["records"], c, k) | pool_cpu
 
     def _drive(self, nodes: _ModeNodes, c: int, tag: str) -> dict:
-        w, o = self.plan.workload, self.plan.opts
-        sessions = [{"arrival_s": s.arrival_s, "turns": [{"think_s": t.think_s} for t in s.turns]}
-                    for s in w.levels[c]]  # fmt: skip
+        o = self.plan.opts
+        sessions = session_plan(self.plan.workload.levels[c])
         return drive_alternating(nodes.engines, sessions, c, o.cell_timeout_s, tag, file=str(self.b.files.workload),
                                  level=c, route=lambda i, t: route(nodes.mode, i, t))  # fmt: skip
 
