@@ -40,7 +40,11 @@ def test_agent_bench_lease_and_warm_end_to_end(tmp_path):
         assert r["share_engine"] == 0  # vLLM's prefix cache is off: every head comes from the tiers
     # the DRAM pressure dropped every head nobody leased: arrival-only prefetch reads each turn's head from disk
     assert rows["prefetch"]["pressure_dropped_chunks"] > 0 and rows["prefetch"]["lease_peak_pinned_keys"] == 0
-    assert rows["prefetch"]["share_dram"] == 0 and rows["prefetch"]["share_disk"] > 0.9
+    # (each head is read from disk, or recomputed where the load-or-recompute rule found the disk slower: a stall of
+    # the shared disk, seen once in CI, made it recompute two turns' heads; that is the rule working, not a miss)
+    pf = rows["prefetch"]
+    slower = pf["recomputed_slower_chunks"] * opts.chunk_tokens / pf["prompt_tokens"]
+    assert pf["share_dram"] == 0 and pf["share_disk"] + slower > 0.9, pf
     # a lease on finish kept turns 2 and 3's heads in DRAM (turn 1's was in the prelude, long gone)
     assert rows["lease"]["lease_peak_pinned_keys"] >= 3 and rows["lease"]["hints"] == 0
     # every turn was warmed when its tool call started, and its reads landed before it came (0.6 s later)
