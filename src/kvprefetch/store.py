@@ -75,6 +75,21 @@ class LookupResult:
         return sum(1 for t in self.tiers if t is tier)
 
 
+@dataclass(frozen=True)
+class DramExtent:
+    """A chunk's payload pinned in the DRAM pool, where its bytes lie in the pool's file (`acquire_extent`)."""
+
+    slot: int
+    fd: int
+    offset: int
+    nbytes: int
+    page_bytes: int  # the file's page size: a mapping's offset and length are multiples of it
+
+    def mappable(self, length: int) -> bool:
+        """Whether `length` bytes mapped from here cover exactly the payload, on the file's page boundaries."""
+        return length == self.nbytes and self.offset % self.page_bytes == 0 and length % self.page_bytes == 0
+
+
 @dataclass
 class PrefetchHandle:
     """Tickets of one prefetch; keys already in the target tier need no ticket."""
@@ -530,6 +545,27 @@ class TieredStore:
         finally:
             for slot in slots:
                 self.dram.release(slot)
+
+    def acquire_extent(self, key: bytes) -> DramExtent | None:
+        """Pin key's chunk in DRAM and say where its payload lies in the pool's file, for mapping it elsewhere
+        without a copy (the weight loader: `kvprefetch.loader.cache`); None if it is not in DRAM (or its image is
+        damaged: then it is dropped, a miss). The pin holds until `release_extent`, or until this store closes."""
+        slot = self.dram.acquire(key)
+        if slot is None:
+            return None
+        try:
+            fd, offset, nbytes = self.dram.payload_extent(slot, key)
+        except CorruptChunk as err:
+            self.dram.release(slot)
+            self._load_failed(key, err, Tier.DRAM)
+            self.dram.discard(key)
+            return None
+        self.counters["dram_hits"] += 1
+        return DramExtent(slot, fd, offset, nbytes, self.dram.page_bytes)
+
+    def release_extent(self, extent: DramExtent) -> None:
+        """Drop the pin `acquire_extent` took (what was mapped from it must not be read after this)."""
+        self.dram.release(extent.slot)
 
     # ---- writes ------------------------------------------------------------------------------------------
     def put(self, keys: Sequence[bytes], buffers: Sequence) -> Future:

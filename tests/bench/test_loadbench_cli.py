@@ -16,7 +16,8 @@ from kvprefetch.cli import app
 def test_loadbench_prints_and_writes_the_same_rows(tmp_path, monkeypatch):
     def passes(bench: loadbench.LoadBench) -> list[loadbench.Row]:
         samples = {m: [] if m.loader == "fastsafetensors" else [2.0, 1.0, 3.0] for m in loadbench.MODES}
-        return bench._rows(samples, {loadbench.MODES[3]: "needs a CUDA device"}, total=4_000_000_000)
+        details = {m: [{"cpu_s": 4.0, "wait_s": 0.5, "handout_s": 1.5}] * 3 for m in loadbench.MODES}
+        return bench._rows(samples, {loadbench.MODES[3]: "needs a CUDA device"}, 4_000_000_000, details)
 
     monkeypatch.setattr(loadbench.LoadBench, "run", passes)
     monkeypatch.setattr(hugepages, "reserved_huge_pages", lambda nbytes: contextlib.nullcontext(False))
@@ -36,4 +37,10 @@ def test_loadbench_prints_and_writes_the_same_rows(tmp_path, monkeypatch):
     assert payload["repeats"] == 3 and payload["shards"] == 3
     assert [(r["loader"], r["regime"]) for r in payload["rows"]] == [(m.loader, m.regime) for m in loadbench.MODES]
     assert {r["seconds"] for r in payload["rows"]} == {2.0, None}
-    assert len(payload["goals"]) == 5
+    assert len(payload["goals"]) == 6
+    # where the seconds went: CPU per GB loaded (4 CPU s for 4 GB), and the whitepaper's R9 beside the warm tiers
+    assert {r["cpu_s_per_gb"] for r in payload["rows"]} == {1.0, None} and "CPU s/GB" in text
+    assert "goal warm DRAM pool vs cold local: 1.00x (target >= 1.0x): met" in text
+    assert "whitepaper R9 (6.2-9.3x faster than from NFS): warm DRAM pool vs cold network 1.00x" in text
+    assert payload["whitepaper_r9"] == {"range": [6.2, 9.3], "measured": {"warm DRAM pool vs cold network": 1.0,
+                                                                          "warm disk cache vs cold network": 1.0}}

@@ -70,7 +70,10 @@ def cache_settings(tmp_path):
         """restarted: the node's DRAM pool is gone (as after a reboot); only the disk cache is left."""
         if restarted:
             drop_pools(pool)
-        cache = {"disk": {"path": str(tmp_path / "wcache")}, "dram": {"pool_name": pool, "capacity_bytes": "32MiB"}}
+        # the pool outlives each load (keep_idle_s), as loadbench's and a serving node's does: the next load in
+        # this process finds it warm
+        dram = {"pool_name": pool, "capacity_bytes": "32MiB", "keep_idle_s": 600}
+        cache = {"disk": {"path": str(tmp_path / "wcache")}, "dram": dram}
         return LoaderSettings.from_extra_config({"block_bytes": "256KiB", "cache": cache} | kw)
 
     yield make

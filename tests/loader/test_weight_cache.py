@@ -55,8 +55,38 @@ def test_second_load_reads_only_the_cache(ckpt, cache_settings):
     third, c3 = load(ckpt, cache_settings(restarted=True))  # from the local disk cache
     for c in (c2, c3):
         assert c["source_bytes"] == 0 and c["cache_bytes"] == c1["cache_put_bytes"]
+    # from DRAM every block is the pool's pages mapped into the shard buffers, not copied; only the blocks under
+    # the tensor the caller still held when the load ended were made private copies
+    assert c2["cache_map_bytes"] == c2["cache_bytes"] and 0 < c2["privatized_bytes"] < c2["cache_map_bytes"] / 4
+    assert c3["cache_map_bytes"] == 0 and {s for *_, s in c3["blocks"]} == {"cache-disk"}
     for got in (first, second, third):
         assert_same(got, want)
+
+
+def test_tensors_kept_from_a_mapped_load_keep_their_bytes_when_the_pool_reuses_every_slot(ckpt, cache_settings):
+    """The pool's pins go back when the load ends: a tensor still held then was made a private copy first, so
+    filling the pool with other chunks (every slot evicted and rewritten) does not change it."""
+    from kvprefetch.store import TieredStore
+    from kvprefetch.tiers.dram import SharedChunkPool
+
+    want = expected(ckpt)
+    load(ckpt, cache_settings())  # fills the pool
+    settings = cache_settings()
+    owner = Owner()
+    kept = dict(iterate_weights(ckpt, settings, owner))  # views of the shard buffers, never copied
+    c = owner.last_load.as_dict()
+    assert c["cache_map_bytes"] > 0 and c["privatized_bytes"] == c["cache_map_bytes"]
+    name = settings.cache["dram"]["pool_name"]
+    assert SharedChunkPool.attach(name, observer=True).stats()["slots_pinned"] == 0, "every pin went back"
+    store = TieredStore(settings.store_config(), chunk_bytes=int(settings.block_bytes))
+    try:
+        block = np.full(int(settings.block_bytes), 0x5A, np.uint8)
+        n = store.dram.geometry.n_slots
+        assert store.put([os.urandom(32) for _ in range(2 * n)], [block] * (2 * n)).result() == 2 * n
+        assert store.dram.stats()["evictions_here"] >= n
+    finally:
+        store.close()
+    assert_same({k: t.numpy() for k, t in kept.items()}, want)
 
 
 def test_a_load_served_by_the_disk_cache_does_not_allocate_the_nodes_pool(ckpt, tmp_path):

@@ -73,7 +73,9 @@ def harness(loads: list[dict]) -> list[dict]:
 def test_entry_point_loader_is_byte_identical_to_the_default_loader_cold_and_from_cache(model_dir, tmp_path, pools):
     sharded = reshard(Path(model_dir), tmp_path / "sharded")
     pools.append("kvpl-exact")
-    cache = {"cache": {"disk": {"path": str(tmp_path / "wcache")}, "dram": {"pool_name": "kvpl-exact"}},
+    # the pool outlives each load (keep_idle_s): the second load finds every block in the node's DRAM
+    cache = {"cache": {"disk": {"path": str(tmp_path / "wcache")}, "dram": {"pool_name": "kvpl-exact",
+                                                                         "keep_idle_s": 600}},
              "block_bytes": "1MiB"}  # fmt: skip
     broken = reshard(Path(model_dir), tmp_path / "broken")
     victim = broken / "model-00002-of-00003.safetensors"
@@ -90,6 +92,8 @@ def test_entry_point_loader_is_byte_identical_to_the_default_loader_cold_and_fro
     assert cold["hashes"] == default["hashes"]
     assert warm["hashes"] == default["hashes"]
     assert cold["counters"]["cache_bytes"] == 0 and warm["counters"]["source_bytes"] == 0
+    # warm from DRAM: the pool's pages mapped under the tensors vLLM copied, never copied into the shard buffers
+    assert warm["counters"]["cache_map_bytes"] == warm["counters"]["cache_bytes"] > 0
     assert "CheckpointError" in bad["error"] and victim.name in bad["error"] and "truncated" in bad["error"]
 
 

@@ -7,27 +7,38 @@ blake3 of the whole file. A checkpoint rewritten in place gets a new mtime (and 
 blocks get new keys and the old ones are never read for it: a changed checkpoint never loads stale bytes.
 Every cached block carries its own checksum (the chunk format), so a damaged cache file reads as a miss and
 that block comes from the source again.
+
+A block in the node's DRAM pool is not copied into the shard buffer: the pool's pages are mapped there
+(`WeightCache.map_block`, copy-on-write), pinned until the reader says the buffer's bytes are no longer needed
+from the pool (`release`): so a warm load from DRAM costs vLLM's own copy into the parameters and nothing else.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
 import threading
 from concurrent.futures import Future
+from enum import StrEnum
 
 import blake3
 
 from kvprefetch.config import StoreConfig
 from kvprefetch.loader.settings import LoaderSettings
 from kvprefetch.loader.shards import Shard
-from kvprefetch.store import Tier, TieredStore
+from kvprefetch.store import DramExtent, Tier, TieredStore
 from kvprefetch.tiers.chunk_format import HEADER_BYTES, CorruptChunk, image_bytes, payload_checksum, read_header
+from kvprefetch.tiers.memory import MapError, address_of, map_file_over
 
 log = logging.getLogger(__name__)
 
 _DOMAIN = b"kvprefetch-weights-v1"
+
+
+class CheckpointMemoryError(MemoryError):
+    """A shard buffer's range could be neither mapped from the pool nor given its memory back: the load stops."""
 
 
 def header_identity(shard: Shard) -> bytes:
@@ -49,6 +60,15 @@ def full_identity(shard: Shard, chunk: int = 64 << 20) -> bytes:
     return h.digest()
 
 
+class Source(StrEnum):
+    """Where a block's bytes came from (the load's timeline and counters)."""
+
+    SOURCE = "source"  # the checkpoint file
+    DISK = "cache-disk"  # the cache's file on the local disk, read straight into the buffer
+    DRAM_COPY = "cache-dram-copy"  # the DRAM pool, copied (a pool that cannot be mapped: hugetlbfs, unaligned)
+    DRAM_MAP = "cache-dram-map"  # the DRAM pool's pages mapped into the buffer
+
+
 class WeightCache:
     """A TieredStore whose chunks are checkpoint blocks; failures degrade to reading the source."""
 
@@ -58,6 +78,7 @@ class WeightCache:
         self.store = TieredStore(config, chunk_bytes=block_bytes)
         self._local = threading.local()
         self._warned: set[type] = set()
+        self._closed = False
 
     def block_keys(self, shard: Shard, nblocks: int) -> list[bytes]:
         ident = full_identity(shard) if self.identity == "full" else header_identity(shard)
@@ -72,30 +93,67 @@ class WeightCache:
             log.warning("kvprefetch loader: weight cache read failed (%s); reading the source", err)
             return 0
 
-    def read_block(self, key: bytes, dst: memoryview) -> bool:
-        """One cached block into dst (a whole, page-aligned block); False on a miss or any failure (read the source).
+    def read_block(self, key: bytes, dst: memoryview) -> tuple[Source, DramExtent | None] | None:
+        """One cached block into dst (a whole, page-aligned block): where it came from, and the pin to give back
+        (`release`) once dst's bytes are no longer read from the pool; None on a miss or any failure (read the
+        source).
 
-        From the DRAM pool when it holds the block (one copy); else straight from the block's file in the disk
-        cache: one O_DIRECT read whose first page (the chunk header) goes to a scratch page and whose payload
-        lands in dst, then the header and the payload's checksum are verified in place. Going through the store
-        instead (disk -> DRAM slot -> dst) cost two extra passes over every byte, which made a warm load no
-        faster than a cold one on our 2-core VM.
+        From the DRAM pool when it holds the block: its pages mapped over dst (`map_block`), or copied where the
+        pool cannot be mapped. Else straight from the block's file in the disk cache: one O_DIRECT read whose
+        first page (the chunk header) goes to a scratch page and whose payload lands in dst, then the header and
+        the payload's checksum are verified in place. Going through the store instead (disk -> DRAM slot -> dst)
+        cost two extra passes over every byte, which made a warm load no faster than a cold one on our 2-core VM.
         """
         tiers = self.store.lookup([key]).tiers
         if not tiers:
-            return False
+            return None
+        if tiers[0] is Tier.DRAM:
+            mapped = self.map_block(key, dst)
+            if mapped is not None:
+                return Source.DRAM_MAP, mapped
         if tiers[0] is Tier.DRAM or self.store.disk is None:
-            return self.get_into([key], [dst]) == 1
+            return (Source.DRAM_COPY, None) if self.get_into([key], [dst]) == 1 else None
         try:
-            return self._read_disk(key, dst)
+            return (Source.DISK, None) if self._read_disk(key, dst) else None
         except (OSError, CorruptChunk) as err:
             if isinstance(err, CorruptChunk):
                 self.store.disk.delete(key)  # the next load re-caches it from the source
-            if type(err) not in self._warned:
-                self._warned.add(type(err))
-                why = f"{type(err).__name__}: {err}"
-                log.warning("kvprefetch loader: cached block unreadable (%s); reading the source", why)
-            return False
+            self._warn(err, "cached block unreadable")
+            return None
+
+    def map_block(self, key: bytes, dst: memoryview) -> DramExtent | None:
+        """Map key's payload in the DRAM pool over dst (no copy); the pin that keeps the slot's bytes is returned,
+        to `release` once dst is no longer read (or made private: `tiers.memory.privatize`). None where the block
+        left DRAM, the pool cannot be mapped over dst (another page size, another length), or the kernel refuses:
+        dst is then as it was (zeroed memory), for a copy or a read instead."""
+        try:
+            extent = self.store.acquire_extent(key)
+        except Exception as err:  # the cache is an accelerator: any failure reads elsewhere
+            self._warn(err, "weight cache pool unreadable")
+            return None
+        if extent is None:
+            return None
+        try:
+            if extent.mappable(len(dst)) and map_file_over(address_of(dst), len(dst), extent.fd, extent.offset):
+                return extent
+        except MapError as err:
+            self.release([extent])
+            raise CheckpointMemoryError(str(err)) from err
+        self.release([extent])
+        return None
+
+    def release(self, extents: list[DramExtent]) -> None:
+        """Give back the pins of mapped blocks (safe after `close`, which dropped every pin already)."""
+        if self._closed:
+            return
+        for extent in extents:
+            with contextlib.suppress(Exception):  # a pool gone bad: its pins go with this process
+                self.store.release_extent(extent)
+
+    def _warn(self, err: Exception, what: str) -> None:
+        if type(err) not in self._warned:
+            self._warned.add(type(err))
+            log.warning("kvprefetch loader: %s (%s: %s); reading the source", what, type(err).__name__, err)
 
     def _read_disk(self, key: bytes, dst: memoryview) -> bool:
         disk = self.store.disk
@@ -137,6 +195,8 @@ class WeightCache:
             return failed
 
     def close(self) -> None:
+        """Close the store: every pin this process holds in the pool is dropped with it."""
+        self._closed = True
         self.store.close()
 
 

@@ -4,10 +4,12 @@
 
 Builds the vLLM model for the checkpoint on the CPU (a world of one, no engine: seconds instead of the ~40 s
 of an engine start), then runs the loader's `load_weights` alone, timed, and prints one JSON line: seconds,
-the loader's counters, and with "hashes": true a blake3 per parameter (what "byte-identical to the default
-loader" is checked with). With "cgroup", the process first joins that cgroup (the bench's read throttle).
-With "tp": {"rank", "size", "init"} it is one rank of a tensor-parallel group (one process per rank, the same
-"init" rendezvous URL), and with "loads": [{model, load_format, ...}, ...] it runs several loads in turn.
+the process's CPU seconds in that time (all threads, user and kernel), the loader's counters (with its time
+split: waits for bytes, vLLM's copies, the reads' span), and with "hashes": true a blake3 per parameter (what
+"byte-identical to the default loader" is checked with). With "cgroup", the process first joins that cgroup
+(the bench's read throttle). With "tp": {"rank", "size", "init"} it is one rank of a tensor-parallel group (one
+process per rank, the same "init" rendezvous URL), and with "loads": [{model, load_format, ...}, ...] it runs
+several loads in turn.
 """
 
 from __future__ import annotations
@@ -49,13 +51,14 @@ def load_once(model: str, load_format: str, extra: dict | None = None, hashes: b
         loader = get_model_loader(cfg.load_config)
         with set_default_torch_dtype(cfg.model_config.dtype), torch.device("cpu"):
             model = loader.create_model(vllm_config=cfg, model_config=cfg.model_config)
-        t0 = time.perf_counter()
+        cpu0, t0 = os.times(), time.perf_counter()
         loader.load_weights(model, cfg.model_config)
-        seconds = time.perf_counter() - t0
-    out: dict = {"seconds": seconds, "load_format": load_format}
+        seconds, cpu1 = time.perf_counter() - t0, os.times()
+    cpu_s = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)  # every thread of the process, kernel included
+    out: dict = {"seconds": seconds, "cpu_s": cpu_s, "load_format": load_format}
     last = getattr(loader, "last_load", None)  # only the kvprefetch loader keeps counters
     if last is not None:
-        out["counters"] = last.as_dict()
+        out["counters"] = last.summary()
     if hashes:
         out["hashes"] = {
             name: blake3.blake3(p.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()

@@ -10,8 +10,17 @@ tensors are handed out. With a plan (tensor parallelism, `kvprefetch.loader.tp_r
 blocks are read up front, and `ensure` reads any other block before an op touches it.
 
 Blocks double as the weight cache's chunks (`kvprefetch.loader.cache`): a block found in the cache is read
-from there (straight into the shard buffer from the cache's disk file, or copied from the DRAM pool) instead of
-from the source; a block read from the source is put into the cache.
+from there (straight into the shard buffer from the cache's disk file, or the DRAM pool's pages mapped into the
+buffer) instead of from the source; a block read from the source is put into the cache.
+
+Pins of mapped blocks. A block mapped from the DRAM pool is read from the pool's own pages, so its slot stays
+pinned while anything can read the buffer: until the shard buffer's mapping is gone (the last tensor over it
+collected: a finalizer gives the pins back), or until the load ends, when the blocks under any tensor vLLM still
+holds are first made private copies (`_privatize_kept`): a kept tensor never changes when the slot is reused.
+
+The timeline (`LoadCounters`): every block's start, end and source, the loading thread's waits for bytes and
+the time vLLM spent on the tensors handed to it (its copies into the parameters), so a load's seconds can be
+split into reading, waiting and copying.
 """
 
 from __future__ import annotations
@@ -22,18 +31,20 @@ import logging
 import mmap
 import os
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvprefetch.io.engine import IOClass, IOEngine, IOTicket
-from kvprefetch.loader.cache import WeightCache
+from kvprefetch.loader.cache import Source, WeightCache
 from kvprefetch.loader.settings import LoaderSettings
 from kvprefetch.loader.shards import Checkpoint, CheckpointError, Shard, TensorEntry
+from kvprefetch.store import DramExtent
 from kvprefetch.tiers.chunk_format import ALIGN, align_up
 from kvprefetch.tiers.inflight import InflightBytes
-from kvprefetch.tiers.memory import address_of
+from kvprefetch.tiers.memory import address_of, privatize
 from kvprefetch.tiers.staging import HUGE_PAGE, StagingBuffers, staged_read
 
 log = logging.getLogger(__name__)
@@ -86,19 +97,39 @@ class LoadCounters:
     source_bytes: int = 0
     late_bytes: int = 0  # of them, read when vLLM touched them rather than up front (outside a TP plan)
     cache_bytes: int = 0
+    cache_map_bytes: int = 0  # of them, the DRAM pool's pages mapped into the shard buffers (no copy)
+    privatized_bytes: int = 0  # mapped bytes copied at the end of the load: under tensors vLLM kept
     cache_put_bytes: int = 0
     huge_page_bytes: int = 0  # shard buffer bytes on reserved huge pages (the rest on ordinary pages)
     shards: int = 0
     tensors: int = 0
+    wait_s: float = 0.0  # the loading thread waiting for blocks to land
+    handout_s: float = 0.0  # vLLM's time with the tensors handed to it (its copies into the parameters)
+    blocks: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, source), s from the start
+    _t0: float = field(default_factory=time.perf_counter, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, name: str, n: int) -> None:
+    def add(self, name: str, n: float) -> None:
         with self._lock:
             setattr(self, name, getattr(self, name) + n)
+
+    def block(self, start: float, source: str) -> None:
+        """A block landed (start: its perf_counter when its read began; it ends now)."""
+        with self._lock:
+            self.blocks.append((start - self._t0, time.perf_counter() - self._t0, source))
 
     def as_dict(self) -> dict:
         with self._lock:
             return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+    def summary(self) -> dict:
+        """The counters without the per-block timeline, and the timeline's span and bytes per source."""
+        out = {k: v for k, v in self.as_dict().items() if k != "blocks"}
+        blocks = self.as_dict()["blocks"]
+        if blocks:
+            out["reads_span_s"] = max(e for _, e, _ in blocks) - min(s for s, _, _ in blocks)
+            out["blocks_by_source"] = {src: sum(1 for *_, s in blocks if s == src) for src in {b[2] for b in blocks}}
+        return out
 
 
 class _Done:
@@ -121,6 +152,8 @@ class _PendingShard:
     keys: list[bytes] | None = None
     tickets: list[IOTicket | _Done | None] = field(default_factory=list)  # per block, in file order; None: unread
     waited: int = 0  # blocks known complete
+    mapped: list[tuple[int, DramExtent]] = field(default_factory=list)  # blocks mapped from the pool, their pins
+    handed: list[tuple[weakref.ref, int, int]] = field(default_factory=list)  # tensors handed out: (ref, begin, end)
 
 
 Plan = dict[str, frozenset[int]]
@@ -154,6 +187,8 @@ class ShardReader:
         self.counters.add("huge_page_bytes", len(raw) if huge else 0)
         fd, _ = _open_source(shard.path, self.settings.direct_io)
         pending = _PendingShard(shard, memoryview(raw), fd, weakref.ref(raw), address_of(raw))
+        if self.cache is not None:  # the pins of blocks mapped from the pool go back with the mapping
+            weakref.finalize(raw, _release_mapped, self.cache, pending.mapped)
         pending.keys = self.cache.block_keys(shard, nblocks) if self.cache is not None else None
         planned = None if self.plan is None else self.plan.get(shard.path.name)
         for i in range(nblocks):
@@ -209,13 +244,20 @@ class ShardReader:
         def run() -> None:
             assert p.buffer is not None
             view = p.buffer[i * self.block : (i + 1) * self.block]
+            start = time.perf_counter()
             if key is not None and self.cache is not None:
                 with self.gate.admit(self.block):  # the cache is a local disk too: its reads count as in flight
                     hit = self.cache.read_block(key, view)
-                if hit:
+                if hit is not None:
+                    source, extent = hit
+                    if extent is not None:
+                        p.mapped.append((i, extent))
+                        self.counters.add("cache_map_bytes", self.block)
                     self.counters.add("cache_bytes", self.block)
+                    self.counters.block(start, source)
                     return
             self._read_block(p, i)
+            self.counters.block(start, Source.SOURCE)
             if key is not None and self.cache is not None:
                 self._puts.append(self.cache.put(key, view))
                 self.counters.add("cache_put_bytes", self.block)
@@ -240,11 +282,15 @@ class ShardReader:
     def _wait_through(self, p: _PendingShard, end: int) -> None:
         """Block until every byte of [0, end) of the shard has landed (raises the first read's error)."""
         need = -(-end // self.block)
+        if p.waited >= need:
+            return
+        t0 = time.perf_counter()
         while p.waited < need:
             ticket = p.tickets[p.waited]
             if ticket is not None:
                 ticket.result()
             p.waited += 1
+        self.counters.add("wait_s", time.perf_counter() - t0)
 
     def _finish(self, p: _PendingShard) -> None:
         self._wait_through(p, p.shard.size)
@@ -274,7 +320,13 @@ class ShardReader:
                     raise CheckpointError(p.shard.path, "changed while loading: header differs from the one checked")
                 for t in p.shard.tensors:
                     self._wait_through(p, t.end)
-                    yield t.name, as_tensor(p.buffer, t)
+                    tensor = as_tensor(p.buffer, t)
+                    if p.mapped:
+                        p.handed.append((weakref.ref(tensor), t.begin, t.end))
+                    handed = time.perf_counter()
+                    yield t.name, tensor
+                    del tensor
+                    self.counters.add("handout_s", time.perf_counter() - handed)
                     self.counters.add("tensors", 1)
                 self._finish(p)
                 self.counters.add("shards", 1)
@@ -310,10 +362,39 @@ class ShardReader:
         return failed
 
     def close(self) -> None:
+        """End the load: blocks under tensors still held are made private, every pin goes back to the pool."""
         self.io.close(wait=False)
+        self._privatize_kept()
         self._shards.clear()  # the buffers of shards an error left unfinished
         if self.staging is not None:
             self.staging.close()
+
+
+    def _privatize_kept(self) -> None:
+        """The load is over and the pool's pins go back now: the mapped blocks under a tensor that something
+        still holds (vLLM's loop keeps its last tensor; a model may keep one) become private copies first, so
+        that tensor's bytes cannot change when the pool reuses the slot. Buffers already collected gave their
+        pins back through their finalizers."""
+        for p in self._shards:
+            raw = p.late()
+            if raw is None or not p.mapped:
+                continue
+            mapped = dict(p.mapped)
+            alive = [(b, e) for ref, b, e in p.handed if ref() is not None]
+            kept = {i for b, e in alive for i in range(b // self.block, -(-e // self.block))}
+            for i in sorted(kept & mapped.keys()):
+                if not privatize(p.addr + i * self.block, self.block):
+                    raise MemoryError(f"could not copy a kept tensor's block out of the DRAM pool ({p.shard.path})")
+                self.counters.add("privatized_bytes", self.block)
+            if self.cache is not None:
+                self.cache.release([extent for _, extent in p.mapped])
+            p.mapped.clear()
+
+
+def _release_mapped(cache: WeightCache, mapped: list[tuple[int, DramExtent]]) -> None:
+    """A shard buffer's mapping is gone: nothing reads its mapped blocks any more; their pins go back."""
+    cache.release([extent for _, extent in mapped])
+    mapped.clear()
 
 
 def as_tensor(buffer: memoryview, t: TensorEntry):

@@ -694,6 +694,19 @@ class SharedChunkPool:
             raise CorruptChunk(f"slot {slot}: the image's size disagrees with the slot table's {nbytes} B")
         return image[HEADER_BYTES : HEADER_BYTES + nbytes]
 
+    def payload_extent(self, slot: int, key: bytes) -> tuple[int, int, int]:
+        """Where key's payload lies in the pool's file (slot pinned by the caller): (fd, offset, nbytes), checked
+        as `payload` checks it. For mapping the payload elsewhere without a copy (`tiers.memory.map_file_over`):
+        the fd stays open while this process is attached; a mapping made from it outlives the fd, not the pin."""
+        nbytes = len(self.payload(slot, key))
+        offset = self.geometry.offsets()[3] + slot * self.geometry.slot_bytes + HEADER_BYTES
+        return self._fd, offset, nbytes
+
+    @property
+    def page_bytes(self) -> int:
+        """The pool file's page size (4 KiB on tmpfs, 2 MiB on hugetlbfs): what a mapping of it is aligned to."""
+        return os.fstatvfs(self._fd).f_bsize
+
     # ---- accounting --------------------------------------------------------------------------------------
     def stats(self) -> dict:
         states = self.slots["state"]

@@ -10,11 +10,18 @@ Why `populate`: the first touch of each 4 KiB page of a mapping faults, and when
 shared mapping at once they contend in the kernel: eight threads copying 2 GB out of a freshly attached DRAM pool
 spent 1.9 s in the kernel (1.35 s wall), against 0.6 s (0.73 s wall) when each thread first populated its slot's
 pages with one `madvise(MADV_POPULATE_WRITE)` call.
+
+Why `map_file_over`: a block that already lies in a shared-memory file (a DRAM pool slot) can be put into a
+buffer by mapping the file's pages there instead of copying them: the buffer's readers then read the pool's own
+pages. Copying 2 GB of weights out of the pool into shard buffers, on two cores, next to vLLM's own copy into the
+parameters and the faults of 2 GB of fresh buffer pages, made a load from the node's DRAM slower than one from
+the local disk (kvprefetch.loader.cache).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 
 import numpy as np
@@ -24,6 +31,9 @@ log = logging.getLogger(__name__)
 MADV_POPULATE_READ = 22  # Linux 5.14
 MADV_POPULATE_WRITE = 23
 PAGE = 4096
+_PROT_READ, _PROT_WRITE = 1, 2
+_MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 0x02, 0x10, 0x20
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def copy_bytes(dst, src) -> None:
@@ -44,6 +54,19 @@ def _load_madvise():
 _madvise = _load_madvise()  # ctypes releases the GIL for the call
 
 
+def _load_mmap():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mmap
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    fn.restype = ctypes.c_void_p
+    return fn
+
+
+_mmap = _load_mmap()
+
+
 def populate(start: int, length: int, advice: int = MADV_POPULATE_WRITE) -> bool:
     """Map the pages of [start, start + length) now (rounded out to whole pages), as one kernel call; False where
     the kernel cannot (before 5.14: EINVAL; a read-only mapping asked for write), and nothing changes then:
@@ -55,6 +78,43 @@ def populate(start: int, length: int, advice: int = MADV_POPULATE_WRITE) -> bool
         log.debug("madvise(%d) failed (errno %d): pages fault in on first touch", advice, ctypes.get_errno())
         return False
     return True
+
+
+class MapError(OSError):
+    """A range could neither be mapped onto a file nor given back its anonymous memory: it is unusable."""
+
+
+def map_file_over(start: int, length: int, fd: int, offset: int) -> bool:
+    """Make [start, start + length) of this process's memory show fd's bytes [offset, offset + length): a private
+    (copy-on-write) mapping of the file replaces whatever was mapped there, and its pages are mapped now
+    (MADV_POPULATE_READ), so reading them takes no fault and no copy, and a write copies only the page written:
+    the file never changes through this range. The range keeps its addresses, so views of the old mapping
+    (a Python mmap, tensors over it) see the file from now on.
+
+    start, length and offset must be multiples of the file's page size. Returns False, and leaves the range
+    anonymous, writable and zero-filled, where the kernel maps or populates nothing (then read the bytes into it
+    instead); raises MapError if even that cannot be restored. Undo with `privatize` or by unmapping the range.
+    """
+    if _mmap is None or _madvise is None or length <= 0 or start % PAGE or length % PAGE or offset % PAGE:
+        return False
+    got = _mmap(start, length, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE | _MAP_FIXED, fd, offset)
+    if got == start and _madvise(start, length, MADV_POPULATE_READ) == 0:
+        return True
+    err = ctypes.get_errno()
+    log.debug("mapping a file over %d bytes failed (errno %d): copying instead", length, err)
+    if got != start and err == errno.EINVAL:  # refused before anything changed (e.g. inside a huge-page mapping)
+        return False
+    back = _mmap(start, length, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE | _MAP_FIXED | _MAP_ANONYMOUS, -1, 0)
+    if back != start:
+        raise MapError(ctypes.get_errno(), f"could not restore {length} bytes of memory at {start:#x}")
+    return False
+
+
+def privatize(start: int, length: int) -> bool:
+    """Give [start, start + length) (mapped by `map_file_over`) a private copy of every page now, so it no longer
+    depends on the file: for a buffer whose bytes must outlive the file's contents (the pool slot may be reused
+    once unpinned). One kernel call (MADV_POPULATE_WRITE breaks copy-on-write page by page); False if refused."""
+    return populate(start, length, MADV_POPULATE_WRITE)
 
 
 def address_of(buffer) -> int:

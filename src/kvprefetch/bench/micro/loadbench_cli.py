@@ -101,7 +101,7 @@ class _Report:
 
 def _report(bench: LoadBench, rows: list[Row]) -> _Report:
     """The checkpoint's size in the title, the goals judged once for the screen and the file alike."""
-    from kvprefetch.bench.micro.loadbench import goals
+    from kvprefetch.bench.micro.loadbench import WHITEPAPER_R9, goals, whitepaper_comparison
     from kvprefetch.loader.shards import open_checkpoint
 
     ckpt = open_checkpoint(bench.model)
@@ -117,11 +117,14 @@ def _report(bench: LoadBench, rows: list[Row]) -> _Report:
         "identity_seconds": bench.identity_seconds,
         "rows": [r.as_json() for r in rows],
         "goals": [{"goal": n, "ratio": v, "target": t, "met": m} for n, v, t, m in judged],
+        "whitepaper_r9": {"range": list(WHITEPAPER_R9), "measured": dict(whitepaper_comparison(rows))},
     }
     return _Report(title, rows, judged, payload)
 
 
 def _print_report(report: _Report, notes: list[str]) -> None:
+    from kvprefetch.bench.micro.loadbench import WHITEPAPER_R9, whitepaper_comparison
+
     table = Table(title=report.title)
     for col in ("loader", "regime", "seconds", "GB/s", "vs default", "samples / why unavailable"):
         table.add_column(col, justify="left" if col in ("loader", "regime", "samples / why unavailable") else "right")
@@ -129,17 +132,34 @@ def _print_report(report: _Report, notes: list[str]) -> None:
         table.add_row(
             r.loader,
             r.regime,
-            f"{r.seconds:.2f}" if r.seconds else "-",
-            f"{r.gbps:.2f}" if r.gbps else "-",
+            _num(r.seconds),
+            _num(r.gbps),
             f"{r.ratio_to_default:.2f}x" if r.ratio_to_default else "-",
             " ".join(f"{s:.2f}" for s in r.samples) if r.samples else f"unavailable: {r.unavailable}",
         )
     console.print(table)
+    split = Table(title="where the seconds went (medians)")
+    for col in ("loader", "regime", "CPU s/GB", "wait s", "vLLM copy s"):
+        split.add_column(col, justify="left" if col in ("loader", "regime") else "right")
+    for r in report.rows:
+        if r.seconds:
+            split.add_row(r.loader, r.regime, _num(r.cpu_s_per_gb), _num(r.wait_s), _num(r.handout_s))
+    console.print(split)
+    console.print("  CPU s/GB: the process's CPU (all threads, kernel included) per GB loaded; wait s: our loading "
+                  "thread waiting for bytes; vLLM copy s: vLLM's time with the tensors we handed it")
     for note in notes:
         console.print(f"  {note}")
     for name, value, target, met in report.goals:
         verdict = "n/a" if met is None else "met" if met else "NOT met"
         console.print(f"  goal {name}: {'-' if value is None else f'{value:.2f}x'} (target >= {target}x): {verdict}")
+    lo, hi = WHITEPAPER_R9
+    for name, value in whitepaper_comparison(report.rows):
+        console.print(f"  whitepaper R9 ({lo}-{hi}x faster than from NFS): {name} "
+                      f"{'-' if value is None else f'{value:.2f}x'}")
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _write(report: _Report, out: Path, json_path: Path | None) -> None:
