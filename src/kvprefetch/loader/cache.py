@@ -85,6 +85,13 @@ class WeightCache:
         return [blake3.blake3(ident + self.block_bytes.to_bytes(8, "little") + i.to_bytes(8, "little")).digest()
                 for i in range(nblocks)]  # fmt: skip
 
+    def all_in_dram(self, keys: list[bytes]) -> bool:
+        """Whether the node's DRAM pool holds every one of these blocks now (False on any failure)."""
+        try:
+            return all(self.store.in_dram(keys))
+        except Exception:  # the cache is an accelerator: a failing pool is simply not there
+            return False
+
     def get_into(self, keys: list[bytes], views: list[memoryview]) -> int:
         """Copy the leading cached blocks into views; return how many (0 on any cache failure)."""
         try:

@@ -183,13 +183,15 @@ class ShardReader:
         One op per block, not per group of blocks: the first tensors wait for their own block only.
         """
         nblocks = -(-shard.size // self.block)
-        raw, huge = shard_buffer(max(ALIGN, nblocks * self.block), self.settings.huge_pages)
+        keys = self.cache.block_keys(shard, nblocks) if self.cache is not None else None
+        # a shard the pool holds whole is mapped from it: huge pages under it would be reserved for nothing
+        huge = self.settings.huge_pages and not (keys is not None and self.cache.all_in_dram(keys))
+        raw, huge = shard_buffer(max(ALIGN, nblocks * self.block), huge)
         self.counters.add("huge_page_bytes", len(raw) if huge else 0)
         fd, _ = _open_source(shard.path, self.settings.direct_io)
-        pending = _PendingShard(shard, memoryview(raw), fd, weakref.ref(raw), address_of(raw))
+        pending = _PendingShard(shard, memoryview(raw), fd, weakref.ref(raw), address_of(raw), keys)
         if self.cache is not None:  # the pins of blocks mapped from the pool go back with the mapping
             weakref.finalize(raw, _release_mapped, self.cache, pending.mapped)
-        pending.keys = self.cache.block_keys(shard, nblocks) if self.cache is not None else None
         planned = None if self.plan is None else self.plan.get(shard.path.name)
         for i in range(nblocks):
             if planned is not None and i not in planned:

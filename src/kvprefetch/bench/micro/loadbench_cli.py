@@ -79,9 +79,13 @@ def _bench(model: Path, work: Path, repeats: int, network_gbps: float, settings:
 
 
 def _run(bench: LoadBench, settings: LoaderSettings) -> list[Row]:
-    """Every pass, on huge pages reserved for the run where they can be had (fio's sweep then tries them too)."""
+    """Every pass, on huge pages reserved for the run where they can be had (fio's sweep then tries them too);
+    with ``--extra '{"huge_pages": false}'`` none are reserved, as on a node that has none."""
     from kvprefetch.bench.micro.hugepages import reserved_huge_pages
 
+    if not settings.huge_pages:  # a node without reserved huge pages, as most are
+        bench.notes.append("huge pages off (huge_pages false): shard buffers and fio's on ordinary pages")
+        return bench.run()
     with reserved_huge_pages(huge_page_bytes(settings, bench.model)) as huge:
         if not huge:
             bench.notes.append("no huge pages could be reserved: shard buffers and fio's on ordinary pages")
