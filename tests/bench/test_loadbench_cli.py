@@ -17,6 +17,10 @@ def test_loadbench_prints_and_writes_the_same_rows(tmp_path, monkeypatch):
     def passes(bench: loadbench.LoadBench) -> list[loadbench.Row]:
         samples = {m: [] if m.loader == "fastsafetensors" else [2.0, 1.0, 3.0] for m in loadbench.MODES}
         details = {m: [{"cpu_s": 4.0, "wait_s": 0.5, "handout_s": 1.5}] * 3 for m in loadbench.MODES}
+        bench.timelines = {"kvprefetch local": {"blocks": [[0.0, 0.1, "source"], [0.05, 0.2, "source"]],
+                                                "waits": [[0.0, 0.1]], "seconds": 0.3},
+                           "kvprefetch warm-dram": {"blocks": [[0.0, 0.01, "cache-dram-map"]], "waits": [],
+                                                    "seconds": 0.1}}  # fmt: skip
         return bench._rows(samples, {loadbench.MODES[3]: "needs a CUDA device"}, 4_000_000_000, details)
 
     monkeypatch.setattr(loadbench.LoadBench, "run", passes)
@@ -33,6 +37,7 @@ def test_loadbench_prints_and_writes_the_same_rows(tmp_path, monkeypatch):
     (written,) = tmp_path.glob("loadbench-*/results.json")
     assert written.read_text() == out.read_text()
     assert (written.parent / "loadbench.png").exists()
+    assert (written.parent / "loadbench_timeline.png").stat().st_size > 1000  # one panel per load of ours
     payload = json.loads(out.read_text())
     assert payload["repeats"] == 3 and payload["shards"] == 3
     assert [(r["loader"], r["regime"]) for r in payload["rows"]] == [(m.loader, m.regime) for m in loadbench.MODES]
@@ -44,3 +49,4 @@ def test_loadbench_prints_and_writes_the_same_rows(tmp_path, monkeypatch):
     assert "whitepaper R9 (6.2-9.3x faster than from NFS): warm DRAM pool vs cold network 1.00x" in text
     assert payload["whitepaper_r9"] == {"range": [6.2, 9.3], "measured": {"warm DRAM pool vs cold network": 1.0,
                                                                           "warm disk cache vs cold network": 1.0}}
+    assert set(payload["timelines"]) == {"kvprefetch local", "kvprefetch warm-dram"}

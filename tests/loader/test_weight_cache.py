@@ -59,6 +59,10 @@ def test_second_load_reads_only_the_cache(ckpt, cache_settings):
     # the tensor the caller still held when the load ended were made private copies
     assert c2["cache_map_bytes"] == c2["cache_bytes"] and 0 < c2["privatized_bytes"] < c2["cache_map_bytes"] / 4
     assert c3["cache_map_bytes"] == 0 and {s for *_, s in c3["blocks"]} == {"cache-disk"}
+    # the timeline: every block once, each ending after it started; the waits add up to wait_s
+    for c in (c1, c2, c3):
+        assert len(c["blocks"]) == c1["cache_put_bytes"] // (256 << 10) and all(s <= e for s, e, _ in c["blocks"])
+        assert abs(sum(e - s for s, e in c["waits"]) - c["wait_s"]) < 1e-6
     for got in (first, second, third):
         assert_same(got, want)
 
@@ -66,7 +70,8 @@ def test_second_load_reads_only_the_cache(ckpt, cache_settings):
 def test_tensors_kept_from_a_mapped_load_keep_their_bytes_when_the_pool_reuses_every_slot(ckpt, cache_settings):
     """The pool's pins go back when the load ends: a tensor still held then was made a private copy first, so
     filling the pool with other chunks (every slot evicted and rewritten) does not change it."""
-    from kvprefetch.store import TieredStore
+    from kvprefetch.loader.cache import WeightCache
+    from kvprefetch.loader.shards import open_checkpoint
     from kvprefetch.tiers.dram import SharedChunkPool
 
     want = expected(ckpt)
@@ -78,14 +83,18 @@ def test_tensors_kept_from_a_mapped_load_keep_their_bytes_when_the_pool_reuses_e
     assert c["cache_map_bytes"] > 0 and c["privatized_bytes"] == c["cache_map_bytes"]
     name = settings.cache["dram"]["pool_name"]
     assert SharedChunkPool.attach(name, observer=True).stats()["slots_pinned"] == 0, "every pin went back"
-    store = TieredStore(settings.store_config(), chunk_bytes=int(settings.block_bytes))
+    cache = WeightCache(settings.store_config(), int(settings.block_bytes))
     try:
+        ours = [k for shard in open_checkpoint(ckpt).shards
+                for k in cache.block_keys(shard, -(-shard.size // int(settings.block_bytes)))]  # fmt: skip
+        assert all(cache.store.in_dram(ours))
         block = np.full(int(settings.block_bytes), 0x5A, np.uint8)
-        n = store.dram.geometry.n_slots
-        assert store.put([os.urandom(32) for _ in range(2 * n)], [block] * (2 * n)).result() == 2 * n
-        assert store.dram.stats()["evictions_here"] >= n
+        n = cache.store.dram.geometry.n_slots
+        for _ in range(4):  # other chunks until none of the checkpoint's blocks is left in the pool
+            assert cache.store.put([os.urandom(32) for _ in range(n)], [block] * n).result() == n
+        assert not any(cache.store.in_dram(ours)), "every slot that held the checkpoint was reused"
     finally:
-        store.close()
+        cache.close()
     assert_same({k: t.numpy() for k, t in kept.items()}, want)
 
 

@@ -5,11 +5,11 @@
 Builds the vLLM model for the checkpoint on the CPU (a world of one, no engine: seconds instead of the ~40 s
 of an engine start), then runs the loader's `load_weights` alone, timed, and prints one JSON line: seconds,
 the process's CPU seconds in that time (all threads, user and kernel), the loader's counters (with its time
-split: waits for bytes, vLLM's copies, the reads' span), and with "hashes": true a blake3 per parameter (what
-"byte-identical to the default loader" is checked with). With "cgroup", the process first joins that cgroup
-(the bench's read throttle). With "tp": {"rank", "size", "init"} it is one rank of a tensor-parallel group (one
-process per rank, the same "init" rendezvous URL), and with "loads": [{model, load_format, ...}, ...] it runs
-several loads in turn.
+split: waits for bytes, vLLM's copies, the reads' span) and its timeline (every block, every wait), and with
+"hashes": true a blake3 per parameter (what "byte-identical to the default loader" is checked with). With
+"cgroup", the process first joins that cgroup (the bench's read throttle). With "tp": {"rank", "size", "init"}
+it is one rank of a tensor-parallel group (one process per rank, the same "init" rendezvous URL), and with
+"loads": [{model, load_format, ...}, ...] it runs several loads in turn.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def load_once(model: str, load_format: str, extra: dict | None = None, hashes: b
     last = getattr(loader, "last_load", None)  # only the kvprefetch loader keeps counters
     if last is not None:
         out["counters"] = last.summary()
+        out["timeline"] = last.timeline()
     if hashes:
         out["hashes"] = {
             name: blake3.blake3(p.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()

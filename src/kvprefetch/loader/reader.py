@@ -106,6 +106,7 @@ class LoadCounters:
     wait_s: float = 0.0  # the loading thread waiting for blocks to land
     handout_s: float = 0.0  # vLLM's time with the tensors handed to it (its copies into the parameters)
     blocks: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, source), s from the start
+    waits: list[tuple[float, float]] = field(default_factory=list)  # the loading thread's waits (start, end)
     _t0: float = field(default_factory=time.perf_counter, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -118,13 +119,26 @@ class LoadCounters:
         with self._lock:
             self.blocks.append((start - self._t0, time.perf_counter() - self._t0, source))
 
+    def waited(self, start: float) -> None:
+        """The loading thread waited for bytes from `start` (its perf_counter) until now."""
+        end = time.perf_counter()
+        with self._lock:
+            self.wait_s += end - start
+            self.waits.append((start - self._t0, end - self._t0))
+
     def as_dict(self) -> dict:
         with self._lock:
             return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
+    def timeline(self) -> dict:
+        """The load's timeline: every block (start, end, source) and the loading thread's waits, in seconds from
+        the reader's start."""
+        with self._lock:
+            return {"blocks": list(self.blocks), "waits": list(self.waits)}
+
     def summary(self) -> dict:
-        """The counters without the per-block timeline, and the timeline's span and bytes per source."""
-        out = {k: v for k, v in self.as_dict().items() if k != "blocks"}
+        """The counters without the timeline, and the timeline's span and blocks per source."""
+        out = {k: v for k, v in self.as_dict().items() if k not in ("blocks", "waits")}
         blocks = self.as_dict()["blocks"]
         if blocks:
             out["reads_span_s"] = max(e for _, e, _ in blocks) - min(s for s, _, _ in blocks)
@@ -292,7 +306,7 @@ class ShardReader:
             if ticket is not None:
                 ticket.result()
             p.waited += 1
-        self.counters.add("wait_s", time.perf_counter() - t0)
+        self.counters.waited(t0)
 
     def _finish(self, p: _PendingShard) -> None:
         self._wait_through(p, p.shard.size)

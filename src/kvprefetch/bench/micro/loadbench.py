@@ -191,6 +191,7 @@ class LoadBench:
     huge_pages: bool = False  # huge pages are reserved: fio's sweep tries buffers on them too
     notes: list[str] = field(default_factory=list)
     identity_seconds: dict[str, float] = field(default_factory=dict)
+    timelines: dict[str, dict] = field(default_factory=dict)  # ours, per "loader regime": the last pass's timeline
 
     def run(self) -> list[Row]:
         ckpt = open_checkpoint(self.model)
@@ -251,6 +252,8 @@ class LoadBench:
                     else:
                         samples[m].append(res["seconds"])
                         details[m].append(_pass_details(res))
+                        if res.get("timeline"):
+                            self.timelines[f"{m.loader} {m.regime}"] = res["timeline"] | {"seconds": res["seconds"]}
         finally:
             _remove_pool(pool)
             if throttle is not None:
@@ -395,6 +398,41 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+SOURCE_COLORS = {"source": "#47c", "cache-disk": "#2a7", "cache-dram-map": "#d62", "cache-dram-copy": "#a5a"}
+
+
+def plot_timelines(timelines: dict[str, dict], path: Path) -> bool:
+    """One panel per pass of ours: every block as a bar from its read's start to its end (one row per block, in
+    file order; colour: where it came from), the loading thread's waits for bytes in grey under them, and the
+    load's end. False (nothing written) when there is no timeline."""
+    if not timelines:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(9, 2.2 * len(timelines)), squeeze=False)
+    for ax, (name, tl) in zip(axes[:, 0], timelines.items(), strict=True):
+        blocks = tl.get("blocks") or []
+        for row, (start, end, source) in enumerate(blocks):
+            ax.plot([start, end], [row, row], color=SOURCE_COLORS.get(source, "#888"), linewidth=1.2)
+        for start, end in tl.get("waits") or []:
+            ax.axvspan(start, end, ymax=0.04, color="#444", alpha=0.8)
+        if tl.get("seconds"):
+            ax.axvline(tl["seconds"], color="k", linestyle="--", linewidth=0.8)
+        ax.set_title(f"{name}: {len(blocks)} blocks, {tl.get('seconds', 0):.2f} s (grey: waits for bytes)", fontsize=8)
+        ax.set_ylabel("block", fontsize=7)
+        ax.tick_params(labelsize=7)
+    axes[-1, 0].set_xlabel("seconds from the reader's start")
+    handles = [matplotlib.lines.Line2D([], [], color=c, label=s) for s, c in SOURCE_COLORS.items()]
+    fig.legend(handles=handles, loc="upper right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def timestamp() -> str:

@@ -49,7 +49,7 @@ def loadbench(
     _print_report(report, bench.notes)
     out = work / f"loadbench-{timestamp()}"
     _write(report, out, json_path)
-    console.print(f"wrote {out}/results.json and loadbench.png")
+    console.print(f"wrote {out}/results.json, loadbench.png and loadbench_timeline.png (each of our loads' blocks)")
 
 
 def _generated_checkpoint(work: Path, layers: int, hidden: int, shard_size: str) -> Path:
@@ -122,6 +122,7 @@ def _report(bench: LoadBench, rows: list[Row]) -> _Report:
         "rows": [r.as_json() for r in rows],
         "goals": [{"goal": n, "ratio": v, "target": t, "met": m} for n, v, t, m in judged],
         "whitepaper_r9": {"range": list(WHITEPAPER_R9), "measured": dict(whitepaper_comparison(rows))},
+        "timelines": bench.timelines,
     }
     return _Report(title, rows, judged, payload)
 
@@ -168,12 +169,13 @@ def _num(value: float | None) -> str:
 
 def _write(report: _Report, out: Path, json_path: Path | None) -> None:
     """results.json and the plot in the run's own directory; the same JSON at --json too."""
-    from kvprefetch.bench.micro.loadbench import plot
+    from kvprefetch.bench.micro.loadbench import plot, plot_timelines
 
     out.mkdir(exist_ok=True)
     text = json.dumps(report.payload, indent=2) + "\n"
     (out / "results.json").write_text(text)
     plot(report.rows, out / "loadbench.png", report.title)
+    plot_timelines(report.payload["timelines"], out / "loadbench_timeline.png")
     if json_path is not None:
         json_path.write_text(text)
 
