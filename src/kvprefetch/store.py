@@ -464,10 +464,8 @@ class TieredStore:
         """Copy a pinned slot's payload to dst and release the pin."""
         try:
             payload = self.dram.payload(slot, key)
-        except CorruptChunk as err:  # a miss, and the slot is dropped (unless another reader pins it still)
-            self.dram.release(slot)
-            self._load_failed(key, err, Tier.DRAM)
-            self.dram.discard(key)
+        except CorruptChunk as err:
+            self._drop_corrupt(key, slot, err)
             return False
         try:
             if len(payload) != len(dst):
@@ -479,6 +477,13 @@ class TieredStore:
         self.counters[f"{tier.value}_hits"] += 1
         self._count_hit(key)
         return True
+
+    def _drop_corrupt(self, key: bytes, slot: int, err: CorruptChunk) -> None:
+        """A pinned DRAM slot's image is damaged: a miss, counted, and the slot dropped (unless another reader
+        pins it still)."""
+        self.dram.release(slot)
+        self._load_failed(key, err, Tier.DRAM)
+        self.dram.discard(key)
 
     def _count_hit(self, key: bytes) -> None:
         """hit_count write policy: a chunk goes to the shared tier once it has been read min_hits times."""
@@ -556,9 +561,7 @@ class TieredStore:
         try:
             fd, offset, nbytes = self.dram.payload_extent(slot, key)
         except CorruptChunk as err:
-            self.dram.release(slot)
-            self._load_failed(key, err, Tier.DRAM)
-            self.dram.discard(key)
+            self._drop_corrupt(key, slot, err)
             return None
         self.counters["dram_hits"] += 1
         return DramExtent(slot, fd, offset, nbytes, self.dram.page_bytes)

@@ -138,8 +138,9 @@ class LoadCounters:
 
     def summary(self) -> dict:
         """The counters without the timeline, and the timeline's span and blocks per source."""
-        out = {k: v for k, v in self.as_dict().items() if k not in ("blocks", "waits")}
-        blocks = self.as_dict()["blocks"]
+        counters = self.as_dict()
+        out = {k: v for k, v in counters.items() if k not in ("blocks", "waits")}
+        blocks = counters["blocks"]
         if blocks:
             out["reads_span_s"] = max(e for _, e, _ in blocks) - min(s for s, _, _ in blocks)
             out["blocks_by_source"] = {src: sum(1 for *_, s in blocks if s == src) for src in {b[2] for b in blocks}}
@@ -403,8 +404,7 @@ class ShardReader:
                     raise MemoryError(f"could not copy a kept tensor's block out of the DRAM pool ({p.shard.path})")
                 self.counters.add("privatized_bytes", self.block)
             if self.cache is not None:
-                self.cache.release([extent for _, extent in p.mapped])
-            p.mapped.clear()
+                _release_mapped(self.cache, p.mapped)
 
 
 def _release_mapped(cache: WeightCache, mapped: list[tuple[int, DramExtent]]) -> None:

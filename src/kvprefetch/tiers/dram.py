@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import logging
 import mmap
 import os
@@ -672,12 +673,15 @@ class SharedChunkPool:
         The first time this process touches a slot, its pages are mapped in one call (`populate`) instead of
         one fault per page: the I/O threads copy into and out of slots at once, and their concurrent page
         faults on this one mapping contend in the kernel (kvprefetch.tiers.memory)."""
-        start = slot * self.geometry.slot_bytes
-        image = self._data[start : start + self.geometry.slot_bytes]
+        image = self._image(slot)
         if not self._mapped[slot]:
             self._mapped[slot] = True  # (two threads may both populate it: harmless)
             populate(image.ctypes.data, len(image))
         return memoryview(image)
+
+    def _image(self, slot: int) -> np.ndarray:
+        start = slot * self.geometry.slot_bytes
+        return self._data[start : start + self.geometry.slot_bytes]
 
     def data_view(self) -> memoryview:
         """All slot images as one region (for backends that register memory for zero-copy transfers)."""
@@ -688,21 +692,27 @@ class SharedChunkPool:
         the table's size: raises CorruptChunk otherwise. The payload checksum is not recomputed: a READY image
         cannot be torn (module docstring), and the header check costs microseconds where the checksum costs a
         pass over the chunk."""
-        nbytes = int(self.slots["nbytes"][slot])
         image = self.image(slot)
+        return image[HEADER_BYTES : HEADER_BYTES + self._checked_nbytes(slot, key, image)]
+
+    def _checked_nbytes(self, slot: int, key: bytes, image: memoryview) -> int:
+        """The payload size of key's slot, once the image's header names key and agrees with the slot table."""
+        nbytes = int(self.slots["nbytes"][slot])
         if verify_image(image, key, verify_payload=False).payload_nbytes != nbytes:
             raise CorruptChunk(f"slot {slot}: the image's size disagrees with the slot table's {nbytes} B")
-        return image[HEADER_BYTES : HEADER_BYTES + nbytes]
+        return nbytes
 
     def payload_extent(self, slot: int, key: bytes) -> tuple[int, int, int]:
         """Where key's payload lies in the pool's file (slot pinned by the caller): (fd, offset, nbytes), checked
         as `payload` checks it. For mapping the payload elsewhere without a copy (`tiers.memory.map_file_over`):
-        the fd stays open while this process is attached; a mapping made from it outlives the fd, not the pin."""
-        nbytes = len(self.payload(slot, key))
+        the fd stays open while this process is attached; a mapping made from it outlives the fd, not the pin.
+        Only the header's page is touched here: the payload is read through the other mapping, so populating
+        this process's own mapping of the slot (as `payload` does) would map every page twice."""
+        nbytes = self._checked_nbytes(slot, key, memoryview(self._image(slot)))
         offset = self.geometry.offsets()[3] + slot * self.geometry.slot_bytes + HEADER_BYTES
         return self._fd, offset, nbytes
 
-    @property
+    @functools.cached_property
     def page_bytes(self) -> int:
         """The pool file's page size (4 KiB on tmpfs, 2 MiB on hugetlbfs): what a mapping of it is aligned to."""
         return os.fstatvfs(self._fd).f_bsize

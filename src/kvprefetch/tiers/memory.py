@@ -33,7 +33,6 @@ MADV_POPULATE_WRITE = 23
 PAGE = 4096
 _PROT_READ, _PROT_WRITE = 1, 2
 _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 0x02, 0x10, 0x20
-_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def copy_bytes(dst, src) -> None:
