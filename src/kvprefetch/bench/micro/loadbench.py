@@ -128,14 +128,10 @@ def drop_page_cache() -> bool:
         return False
 
 
-def fio_read_gbps(files: list[Path], block: int, iodepth: int, iomem: str = "malloc") -> float:
-    """fio's sequential O_DIRECT read of exactly these files, one after the other (libaio, iodepth and buffer
-    memory given: malloc, or mmaphuge for buffers on huge pages)."""
-    return fio_read(files, block, iodepth, iomem)["gbps"]
-
-
 def fio_read(files: list[Path], block: int, iodepth: int, iomem: str = "malloc") -> dict:
-    """`fio_read_gbps`'s run: {gbps, seconds, cpu_s} (fio's CPU, user and kernel, over its run)."""
+    """fio's sequential O_DIRECT read of exactly these files, one after the other (libaio, iodepth and buffer
+    memory given: malloc, or mmaphuge for buffers on huge pages): {gbps, seconds, cpu_s} (fio's CPU, user and
+    kernel, over its run)."""
     total = sum(f.stat().st_size for f in files) // block * block
     cmd = [
         "fio",
@@ -292,7 +288,7 @@ class LoadBench:
         for iomem in ("malloc", "mmaphuge") if self.huge_pages else ("malloc",):
             for depth in (1, 4, 16):
                 drop_page_cache()
-                best = max(best, (fio_read_gbps(files, block, depth, iomem), depth, iomem))
+                best = max(best, (fio_read(files, block, depth, iomem)["gbps"], depth, iomem))
         self.notes.append(
             f"fio: best queue depth {best[1]}, buffers {best[2]}, block {block >> 20} MiB "
             f"({best[0]:.2f} GB/s in the sweep)"

@@ -104,7 +104,8 @@ class _Report:
 
 
 def _report(bench: LoadBench, rows: list[Row]) -> _Report:
-    """The checkpoint's size in the title, the goals judged once for the screen and the file alike."""
+    """The checkpoint's size in the title, the goals and R9's ratios judged once for the screen and the file
+    alike."""
     from kvprefetch.bench.micro.loadbench import WHITEPAPER_R9, goals, whitepaper_comparison
     from kvprefetch.loader.shards import open_checkpoint
 
@@ -128,8 +129,6 @@ def _report(bench: LoadBench, rows: list[Row]) -> _Report:
 
 
 def _print_report(report: _Report, notes: list[str]) -> None:
-    from kvprefetch.bench.micro.loadbench import WHITEPAPER_R9, whitepaper_comparison
-
     table = Table(title=report.title)
     for col in ("loader", "regime", "seconds", "GB/s", "vs default", "samples / why unavailable"):
         table.add_column(col, justify="left" if col in ("loader", "regime", "samples / why unavailable") else "right")
@@ -157,8 +156,9 @@ def _print_report(report: _Report, notes: list[str]) -> None:
     for name, value, target, met in report.goals:
         verdict = "n/a" if met is None else "met" if met else "NOT met"
         console.print(f"  goal {name}: {'-' if value is None else f'{value:.2f}x'} (target >= {target}x): {verdict}")
-    lo, hi = WHITEPAPER_R9
-    for name, value in whitepaper_comparison(report.rows):
+    r9 = report.payload["whitepaper_r9"]
+    lo, hi = r9["range"]
+    for name, value in r9["measured"].items():
         console.print(f"  whitepaper R9 ({lo}-{hi}x faster than from NFS): {name} "
                       f"{'-' if value is None else f'{value:.2f}x'}")
 
