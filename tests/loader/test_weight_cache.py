@@ -82,7 +82,8 @@ def test_tensors_kept_from_a_mapped_load_keep_their_bytes_when_the_pool_reuses_e
     c = owner.last_load.as_dict()
     assert c["cache_map_bytes"] > 0 and c["privatized_bytes"] == c["cache_map_bytes"]
     name = settings.cache["dram"]["pool_name"]
-    assert SharedChunkPool.attach(name, observer=True).stats()["slots_pinned"] == 0, "every pin went back"
+    with SharedChunkPool.attach(name, observer=True) as observer:
+        assert observer.stats()["slots_pinned"] == 0, "every pin went back"
     cache = WeightCache(settings.store_config(), int(settings.block_bytes))
     try:
         ours = [k for shard in open_checkpoint(ckpt).shards
