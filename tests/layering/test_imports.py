@@ -125,7 +125,14 @@ def test_sim_does_not_import_bench():
 
 
 CORE = ("kvprefetch.keys", "kvprefetch.tiers", "kvprefetch.io", "kvprefetch.store", "kvprefetch.workload")
-ABOVE = ("kvprefetch.vllm", "kvprefetch.bench", "kvprefetch.sim", "kvprefetch.cli", "kvprefetch.loader")
+ABOVE = (
+    "kvprefetch.vllm",
+    "kvprefetch.sglang",
+    "kvprefetch.bench",
+    "kvprefetch.sim",
+    "kvprefetch.cli",
+    "kvprefetch.loader",
+)
 
 
 def _under(m: str, prefixes: tuple[str, ...]) -> bool:
@@ -138,13 +145,16 @@ def test_core_does_not_import_the_layers_above():
     assert bad == set()
 
 
-def test_the_connector_does_not_import_bench_or_sim():
+def test_the_connectors_do_not_import_bench_or_sim_or_each_other():
+    """vLLM's connector and SGLang's storage backend run inside their engines, each beside only its own engine:
+    neither reaches up into the bench or sim, nor across into the other engine's connector."""
     bad = {
         (m, d)
+        for here, other in (("kvprefetch.vllm", "kvprefetch.sglang"), ("kvprefetch.sglang", "kvprefetch.vllm"))
         for m, deps in import_graph().items()
-        if _under(m, ("kvprefetch.vllm",))
+        if _under(m, (here,))
         for d in deps
-        if _under(d, ("kvprefetch.bench", "kvprefetch.sim"))
+        if _under(d, ("kvprefetch.bench", "kvprefetch.sim", other))
     }
     assert bad == set()
 

@@ -35,9 +35,60 @@ _PROT_READ, _PROT_WRITE = 1, 2
 _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 0x02, 0x10, 0x20
 
 
+class Segments(tuple):
+    """One chunk's bytes laid out in several runs of memory, in order: a page of SGLang's host KV pool, whose K and
+    V halves (or each layer's K and V) lie apart in the pool. `copy_bytes` scatters a chunk into it and gathers one
+    from it, so a chunk goes between a DRAM slot and the engine's memory in one pass, with no staging copy.
+
+    Invariant: the runs are flat writable byte views and never overlap; `len` is their total."""
+
+    __slots__ = ()
+
+    def __new__(cls, runs) -> Segments:
+        runs = tuple(runs)
+        if not all(isinstance(r, memoryview) and r.ndim == 1 and r.format == "B" for r in runs):
+            raise TypeError("Segments holds flat byte memoryviews")
+        return super().__new__(cls, runs)
+
+    def __len__(self) -> int:  # bytes, as a buffer's len
+        return sum(r.nbytes for r in tuple.__iter__(self))
+
+    @property
+    def runs(self) -> tuple[memoryview, ...]:
+        return tuple(tuple.__iter__(self))
+
+
 def copy_bytes(dst, src) -> None:
-    """Copy src's bytes into dst (equal lengths; any buffers exposing bytes), without holding the GIL."""
+    """Copy src's bytes into dst (equal lengths; any buffers exposing bytes, or `Segments` on either side),
+    without holding the GIL."""
+    if isinstance(dst, Segments) or isinstance(src, Segments):
+        _copy_runs(dst, src)
+        return
     np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+
+
+def _copy_runs(dst, src) -> None:
+    """Scatter (dst in runs) or gather (src in runs): each run against the flat side's bytes at the same offset."""
+    if len(dst) != len(src):
+        raise ValueError(f"copy of {len(src)} B into {len(dst)} B")
+    if isinstance(dst, Segments) and isinstance(src, Segments):
+        src = _gathered(src)
+    runs, flat, scatter = (dst.runs, src, True) if isinstance(dst, Segments) else (src.runs, dst, False)
+    flat = np.frombuffer(flat, np.uint8)
+    at = 0
+    for run in runs:
+        part = flat[at : at + run.nbytes]
+        if scatter:
+            np.copyto(np.frombuffer(run, np.uint8), part)
+        else:
+            np.copyto(part, np.frombuffer(run, np.uint8))
+        at += run.nbytes
+
+
+def _gathered(src: Segments) -> memoryview:
+    out = bytearray(len(src))
+    _copy_runs(memoryview(out), src)
+    return memoryview(out)
 
 
 def _load_madvise():

@@ -35,11 +35,25 @@ def iobench(
     repeats: Annotated[int, typer.Option(min=1, max=20, help="Interleaved repetitions; medians reported.")] = 5,
     fio: Annotated[bool, typer.Option("--fio/--no-fio", help="Measure the fio reference ceiling.")] = True,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
+    sglang: Annotated[
+        bool,
+        typer.Option(
+            "--sglang",
+            help="Instead: SGLang HiCache storage reads, our backend (zero-copy and flat) against SGLang's own "
+            "HiCacheFile and our store's get_into, on the same pages (8 MiB: Llama-3-8B, 64-token pages), cold.",
+        ),
+    ] = False,
+    page_tokens: Annotated[
+        int, typer.Option(min=1, max=4096, help="--sglang: tokens per SGLang page (8 MiB at 64; SGLang's --page-size).")
+    ] = 64,
 ) -> None:
     """Storage benchmark: fio's ceiling vs the disk tier's serial and parallel cold reads, and write-back."""
     from kvprefetch.bench.micro.fio_reference import fio_available
 
     total, chunk_bytes = parse_size(size), parse_size(chunk)
+    if sglang:
+        _sglang_iobench(directory, total, threads, repeats, json_path, page_tokens)
+        return
     if fio and not fio_available():
         console.print("[yellow]fio not found: install it (apt-get install fio) for the reference row[/yellow]")
     base = directory or default_cache_dir()
@@ -106,6 +120,71 @@ def _print_iobench(result: IOBenchResult, base: Path) -> None:
         f"parallel/serial = {result.parallel_over_serial:.2f}x"
         + (f", parallel/fio = {ratio:.2f}x" if ratio is not None else "")
     )
+
+
+def _sglang_iobench(
+    directory: Path | None, total: int, threads: int, repeats: int, json_path: Path | None, page_tokens: int
+) -> None:
+    try:
+        from kvprefetch.bench.micro.sglangbench import PageShape, run_sglangbench
+    except ImportError as err:
+        console.print(f"[red]iobench --sglang needs SGLang's storage interface ({err}): `make setup` installs it "
+                      "(pip install --no-deps sglang==0.5.23 and kvprefetch[sglang])[/red]")  # fmt: skip
+        raise typer.Exit(2) from None
+    base = directory or default_cache_dir()
+    base.mkdir(parents=True, exist_ok=True)
+    with (
+        tempfile.TemporaryDirectory(prefix="kvprefetch-sglangbench-", dir=base) as tmp,
+        Progress(
+            TextColumn("[bold]iobench --sglang[/bold] {task.description}"), BarColumn(), TimeElapsedColumn(),
+            console=console,
+        ) as bar,
+    ):  # fmt: skip
+        task = bar.add_task("starting", total=1.0)
+
+        def progress(label: str, frac: float) -> None:
+            bar.update(task, description=label, completed=frac)
+
+        shape = PageShape(page_tokens=page_tokens)
+        result = run_sglangbench(Path(tmp), total, threads, repeats, shape, progress=progress)
+    print_sglangbench(result, base)
+    if json_path is not None:
+        json_path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        console.print(f"wrote {json_path}")
+
+
+def print_sglangbench(result, base: Path) -> None:
+    """The four read paths' rates, then the two paired goals."""
+    from kvprefetch.bench.micro.sglangbench import FIO, PATHS
+
+    shape = result.shape
+    table = Table(title=f"SGLang HiCache storage reads on {base}: {result.pages} pages of "
+                  f"{shape.page_bytes / 2**20:g} MiB ({shape.page_tokens} tokens, {shape.layout}), batches of 128, "
+                  f"{len(result.gbps[PATHS[0]])} rounds")  # fmt: skip
+    table.add_column("path")
+    table.add_column("GB/s median", justify="right")
+    table.add_column("min..max", justify="right")
+    names = {
+        "hicache-file": "SGLang HiCacheFile batch_get -> flat pages -> host pool",
+        "ours-v1": f"kvprefetch batch_get_v1 -> host pool (zero-copy, {result.threads} threads)",
+        "ours-flat": "kvprefetch batch_get -> flat pages -> host pool",
+        "store-get-into": "kvprefetch store get_into -> caller buffers",
+    }
+    names[FIO] = f"fio O_DIRECT read of HiCacheFile's files (iodepth {result.threads}): the device"
+    for path in result.gbps:
+        rates = result.gbps[path]
+        table.add_row(names[path], f"{result.median(path):.2f}", f"{min(rates):.2f}..{max(rates):.2f}")
+    console.print(table)
+    if not result.page_cache_dropped:
+        console.print("[yellow]the page cache could not be dropped (not root): HiCacheFile may read RAM[/yellow]")
+    for num, den, goal in (("ours-v1", "hicache-file", 2.0), ("ours-v1", "store-get-into", 0.9)):
+        med, lo, hi = result.paired(num, den)
+        verdict = "met" if med >= goal else "NOT met"
+        console.print(f"{num} / {den}: {med:.2f}x (rounds {lo:.2f}..{hi:.2f}x; goal >= {goal}x: {verdict})")
+    if FIO in result.gbps:
+        for path in ("hicache-file", "ours-v1"):
+            med, lo, hi = result.paired(path, FIO)
+            console.print(f"{path} / fio: {med:.2f}x (rounds {lo:.2f}..{hi:.2f}x)")
 
 
 def register(app: typer.Typer) -> None:

@@ -37,13 +37,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvprefetch.bench.micro.pagecache import drop_page_cache
 from kvprefetch.bench.regime import make_throttle
 from kvprefetch.loader.cache import full_identity, header_identity
 from kvprefetch.loader.harness import MARK
 from kvprefetch.loader.shards import open_checkpoint
 from kvprefetch.tiers.disk import chunk_files
-
-DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
 
 @dataclass(frozen=True)
@@ -117,15 +116,6 @@ def make_checkpoint(path: Path, layers: int, hidden: int, shard_size: str) -> No
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True, max_shard_size=shard_size)
     tmp.rename(path)
-
-
-def drop_page_cache() -> bool:
-    try:
-        os.sync()
-        DROP_CACHES.write_text("3")
-        return True
-    except OSError:
-        return False
 
 
 def fio_read(files: list[Path], block: int, iodepth: int, iomem: str = "malloc") -> dict:
