@@ -153,3 +153,15 @@ def test_a_sigkilled_writer_leaves_pages_that_are_whole_or_missing(backends, tmp
     on_disk = backends(pool, extra=tiers_extra(tmp_path, pool_name + "-after"))
     for got, w in zip(_read(on_disk, pool, keys), want, strict=True):
         assert got is None or got == w
+
+
+def test_a_page_per_io_thread_may_be_in_flight_unless_the_user_capped_it(backends, tmp_path, pool_name):
+    pool = host_pool()  # pages of 32 KiB: the default cap (4 MiB) holds more than 4
+    ours = backends(pool)
+    assert ours.store.disk.read_gate.limit_bytes == 4 << 20
+    big = host_pool(page_size=64, layers=32, heads=8, head_dim=128, tokens=128)  # 8 MiB pages
+    ours = backends(big, extra=tiers_extra(tmp_path, pool_name + "-big") | {"io": {"threads": 6}})
+    assert ours.store.disk.read_gate.limit_bytes == 6 * ((8 << 20) + 4096)
+    capped = tiers_extra(tmp_path, pool_name + "-capped")
+    capped["disk"] = capped["disk"] | {"read_inflight_bytes": "2MiB"}
+    assert backends(big, extra=capped).store.disk.read_gate.limit_bytes == 2 << 20

@@ -43,6 +43,7 @@ from kvprefetch.io.engine import IOClass
 from kvprefetch.keys import KVNamespace
 from kvprefetch.sglang.host_pages import HostPages, PageGeometry
 from kvprefetch.store import TieredStore
+from kvprefetch.tiers.chunk_format import image_bytes
 from kvprefetch.tiers.memory import copy_bytes
 
 log = logging.getLogger(__name__)
@@ -97,9 +98,20 @@ class KVPrefetchStorage(HiCacheStorage):
         self.geometry = geometry
         self._digest = self.namespace(geometry).digest
         self.pages = HostPages(mem_pool_host, geometry.page_bytes)
-        self.store = TieredStore(self.settings.store, chunk_bytes=geometry.page_bytes)
+        self.store = TieredStore(self.store_config(geometry), chunk_bytes=geometry.page_bytes)
         log.info("kvprefetch: HiCache storage over %s, pages of %d B (%s%s)", ",".join(self.settings.store.tiers),
                  geometry.page_bytes, geometry.layout, ", zero-copy" if self.pages.zero_copy else "")  # fmt: skip
+
+    def store_config(self, geometry: PageGeometry) -> StoreConfig:
+        """The store's config, with room for a page per I/O thread on the device unless the user set the cap on
+        reads in flight: an SGLang page (8 MiB for a Llama-3-8B page of 64 tokens) is larger than the default cap
+        (4 MiB), which would let one read run at a time."""
+        config = self.settings.store
+        if "read_inflight_bytes" in config.disk.model_fields_set:
+            return config
+        room = config.io.threads * image_bytes(geometry.page_bytes)
+        disk = config.disk.model_copy(update={"read_inflight_bytes": max(int(config.disk.read_inflight_bytes), room)})
+        return config.model_copy(update={"disk": disk})
 
     def namespace(self, geometry: PageGeometry) -> KVNamespace:
         """Everything that changes a page's bytes under one SGLang page key (its hash chain covers the tokens)."""

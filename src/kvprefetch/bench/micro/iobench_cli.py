@@ -166,11 +166,12 @@ def print_sglangbench(result, base: Path) -> None:
     table.add_column("min..max", justify="right")
     names = {
         "hicache-file": "SGLang HiCacheFile batch_get -> flat pages -> host pool",
-        "ours-v1": f"kvprefetch batch_get_v1 -> host pool (zero-copy, {result.threads} threads)",
+        "ours-v1": f"kvprefetch batch_get_v1 -> host pool (zero-copy, {result.threads} threads, "
+        f"DRAM pool on {result.dram_backing})",
         "ours-flat": "kvprefetch batch_get -> flat pages -> host pool",
         "store-get-into": "kvprefetch store get_into -> caller buffers",
     }
-    names[FIO] = f"fio O_DIRECT read of HiCacheFile's files (iodepth {result.threads}): the device"
+    names[FIO] = f"fio O_DIRECT read of HiCacheFile's files (a page per read, iodepth {result.threads})"
     for path in result.gbps:
         rates = result.gbps[path]
         table.add_row(names[path], f"{result.median(path):.2f}", f"{min(rates):.2f}..{max(rates):.2f}")

@@ -11,8 +11,8 @@ by both backends. Every round reads all of them back cold, once per path, in a r
 - `ours-flat`: our backend through the same path as HiCacheFile (`batch_get` into flat pages, then the copies);
 - `store-get-into`: our store's own `get_into` on the same chunks into caller buffers (the ceiling our backend's
   overhead is judged against);
-- `fio`: fio reading HiCacheFile's own files, O_DIRECT, as many reads in flight as our store runs: what the device
-  gives (neither backend can read faster than that).
+- `fio`: fio reading HiCacheFile's own files, O_DIRECT, a whole page per read, as many in flight as our store
+  runs, into huge-page buffers where the node can reserve them: what the device gives.
 
 Paired per round: ours-v1 / hicache-file and ours-v1 / store-get-into, medians and ranges over the rounds.
 """
@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from kvprefetch.bench.micro.fio_reference import fio_available
+from kvprefetch.bench.micro.iobench import huge_page_pool
 from kvprefetch.bench.micro.pagecache import drop_page_cache
 
 BATCH = 128  # SGLang's STORAGE_BATCH_SIZE: pages per storage call
@@ -64,6 +65,7 @@ class SGLangBenchResult:
     threads: int
     page_cache_dropped: bool
     gbps: dict[str, list[float]]  # path (and "fio" where fio ran) -> GB/s per round
+    dram_backing: str = "shm"  # our DRAM pool's memory: hugetlbfs where huge pages could be reserved
 
     def median(self, path: str) -> float:
         return statistics.median(self.gbps[path])
@@ -84,7 +86,7 @@ class SGLangBenchResult:
 class _Bench:
     """Both backends over one directory, SGLang's host pool, and the pages stored in both."""
 
-    def __init__(self, root: Path, shape: PageShape, pages: int, threads: int):
+    def __init__(self, root: Path, shape: PageShape, pages: int, threads: int, huge: Path | None):
         from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 
         from kvprefetch.sglang import KVPrefetchStorage
@@ -94,10 +96,13 @@ class _Bench:
         batch = min(BATCH, pages)
         self.pool = host_pool(shape.layout, shape.page_tokens, shape.layers, shape.heads, shape.head_dim,
                               tokens=batch * shape.page_tokens, ratio=1.0)  # fmt: skip
+        self.huge = huge
         image = shape.page_bytes + (8 << 10)
+        self.backing = backing = "hugetlbfs" if huge is not None else "shm"
         extra = {
-            "dram": {"capacity_bytes": (pages + 8) * image, "pool_name": f"sglbench-{uuid.uuid4().hex[:8]}"},
-            "disk": {"path": str(root / "ours"), "capacity_bytes": 1 << 50, "read_inflight_bytes": threads * image},
+            "dram": {"capacity_bytes": (pages + 8) * image, "pool_name": f"sglbench-{uuid.uuid4().hex[:8]}"}
+            | {"backing": backing},
+            "disk": {"path": str(root / "ours"), "capacity_bytes": 1 << 50},
             "io": {"threads": threads},
         }
         self.ours = KVPrefetchStorage(storage_config(extra=extra, layout=shape.layout))
@@ -162,8 +167,14 @@ class _Bench:
         return self.ours.store.get_into(self.ours._keys(batch), self.buffers[: len(batch)])
 
     def fio(self, iodepth: int) -> float:
+        files = sorted(Path(self.file.file_path).glob("*.bin"))
         drop_page_cache()
-        return fio_pages(sorted(Path(self.file.file_path).glob("*.bin")), self.shape.page_bytes, iodepth)
+        if self.huge is None:
+            return fio_pages(files, self.shape.page_bytes, iodepth, "malloc")
+        try:
+            return fio_pages(files, self.shape.page_bytes, iodepth, f"mmaphuge:{self.huge / 'sglbench-fio'}")
+        finally:
+            (self.huge / "sglbench-fio").unlink(missing_ok=True)
 
     def close(self) -> None:
         if self.ours.store is not None:
@@ -171,7 +182,7 @@ class _Bench:
         self.ours.close()
 
 
-def fio_pages(files: list[Path], page_bytes: int, iodepth: int) -> float:
+def fio_pages(files: list[Path], page_bytes: int, iodepth: int, iomem: str = "malloc") -> float:
     """fio's O_DIRECT read (GB/s) of equal-sized files one after the other, `iodepth` reads in flight. Thousands of
     page files do not fit fio's --filename, so they are named to it as one job's files (`fio.0.<i>` links in a
     temporary directory, `--nrfiles`)."""
@@ -179,7 +190,7 @@ def fio_pages(files: list[Path], page_bytes: int, iodepth: int) -> float:
         for i, f in enumerate(files):
             os.symlink(f, Path(tmp) / f"fio.0.{i}")
         cmd = ["fio", "--name=fio", f"--directory={tmp}", f"--nrfiles={len(files)}", f"--filesize={page_bytes}",
-               "--rw=read", "--direct=1", f"--bs={min(page_bytes, 4 << 20)}", f"--iodepth={iodepth}",
+               "--rw=read", "--direct=1", f"--bs={page_bytes}", f"--iodepth={iodepth}", f"--iomem={iomem}",
                "--ioengine=libaio", "--file_service_type=sequential", "--readonly", "--output-format=json"]  # fmt: skip
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
@@ -191,7 +202,19 @@ def run_sglangbench(root: Path, total_bytes: int, threads: int, repeats: int, sh
                     progress: Progress = lambda label, frac: None) -> SGLangBenchResult:  # fmt: skip
     """Store `total_bytes` of pages in both backends under root, then `repeats` interleaved rounds of cold reads."""
     pages = max(1, total_bytes // shape.page_bytes)
-    bench = _Bench(root, shape, pages, threads)
+    with huge_page_pool(huge_page_bytes(pages, shape, threads)) as huge:
+        return _rounds(_Bench(root, shape, pages, threads, huge), threads, repeats, progress)
+
+
+def huge_page_bytes(pages: int, shape: PageShape, threads: int) -> int:
+    """Huge pages the run reserves where it can (as root; as `kvprefetch iobench` does): our DRAM pool and the
+    I/O threads' staging buffers (the store's configuration for speed), and fio's buffers."""
+    image = shape.page_bytes + (8 << 10)
+    return (pages + 8) * image + threads * (image + (2 << 20)) + (threads + 1) * shape.page_bytes
+
+
+def _rounds(bench: _Bench, threads: int, repeats: int, progress: Progress) -> SGLangBenchResult:
+    pages = bench.pages
     try:
         progress("writing the pages to both backends", 0.0)
         bench.fill()
@@ -204,6 +227,6 @@ def run_sglangbench(root: Path, total_bytes: int, threads: int, repeats: int, sh
                 progress(f"round {r + 1}/{repeats}: {path}", (r * len(paths) + i) / (repeats * len(paths)))
                 rates[path].append(bench.fio(threads) if path == FIO else bench.read(path))
         progress("done", 1.0)
-        return SGLangBenchResult(shape, pages, threads, dropped, rates)
+        return SGLangBenchResult(bench.shape, pages, threads, dropped, rates, bench.backing)
     finally:
         bench.close()
