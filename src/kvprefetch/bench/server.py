@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -76,9 +77,34 @@ def server_argv(model: str, transfer_config: dict[str, Any] | None, vllm_args: S
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A TCP port free now on every interface, below the kernel's ephemeral range. A port the kernel picked from
+    that range (bind to port 0) can be handed to another socket's outgoing connection between this check and the
+    server's own bind: an engine failed to start in CI with 'Address already in use' on such a port."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # no luck below the range: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+_HANDED_OUT: set[int] = set()  # never the same port twice to one process's servers
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 class OpenAIServer:

@@ -169,7 +169,8 @@ def _wait_group_gone(pgid: int, timeout: float = 30) -> None:
 
 
 def soak_metrics(m: dict) -> dict[str, float]:
-    """/metrics (parsed) as the soak's counters: prompt tokens, hit tokens per tier, tier errors per kind."""
+    """/metrics (parsed) as the soak's counters: prompt tokens, hit tokens per tier, tier errors per kind, chunks
+    the workers saved into the store."""
     out: dict[str, float] = {"prompt": 0.0}
     for (name, labels), v in m.items():
         lab = dict(labels)
@@ -182,6 +183,8 @@ def soak_metrics(m: dict) -> dict[str, float]:
         elif name == "vllm:kvprefetch_tier_errors_total":
             key = f"err/{lab['tier']}/{lab['kind']}"
             out[key] = out.get(key, 0.0) + v
+        elif name == "vllm:kvprefetch_worker_saved_chunks_total":
+            out["saved"] = out.get("saved", 0.0) + v
     return out
 
 
