@@ -93,7 +93,7 @@ def test_damaged_and_truncated_files_are_misses_never_other_bytes(backends, tmp_
     writer = backends(pool)
     assert writer.batch_set(keys, [page_content(k, n) for k in keys])
     assert writer.store.flush(timeout=30)
-    paths = [writer.store.disk.path_of(writer._key(k)) for k in keys]
+    paths = [writer.store.disk.path_of(k) for k in writer.chunk_keys(keys)]
     writer.close()  # the last process: the DRAM pool goes with it, the disk tier stays
     with open(paths[1], "r+b") as f:  # one flipped byte in the payload
         f.seek(8192)

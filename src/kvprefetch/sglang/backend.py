@@ -130,11 +130,9 @@ class KVPrefetchStorage(HiCacheStorage):
             tenant=self.settings.tenant,
         )
 
-    def _key(self, key: str) -> bytes:
-        return blake3.blake3(self._digest + key.encode()).digest()
-
-    def _keys(self, keys: Sequence[str]) -> list[bytes]:
-        return [self._key(k) for k in keys]
+    def chunk_keys(self, keys: Sequence[str]) -> list[bytes]:
+        """The store's keys of SGLang page keys: each inside this backend's namespace."""
+        return [blake3.blake3(self._digest + k.encode()).digest() for k in keys]
 
     def _attached(self) -> TieredStore:
         if self.store is None:
@@ -147,7 +145,7 @@ class KVPrefetchStorage(HiCacheStorage):
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many leading pages some tier holds, from the tiers' indexes."""
-        return self._attached().lookup(self._keys(keys)).num_hit_chunks
+        return self._attached().lookup(self.chunk_keys(keys)).num_hit_chunks
 
     # ---- reads -------------------------------------------------------------------------------------------
     def get(self, key: str, target_location: torch.Tensor | None = None, target_sizes: Any = None):
@@ -181,7 +179,7 @@ class KVPrefetchStorage(HiCacheStorage):
         """Per key, whether its page was read into its destination. Reads run at prefetch priority: SGLang reads
         storage ahead of the request's turn. A miss does not end the batch (SGLang's own file backend answers
         page by page too); SGLang uses the leading hits. A key named twice is read once and copied."""
-        ids = self._keys(keys)
+        ids = self.chunk_keys(keys)
         first: dict[bytes, int] = {}
         unique = [i for i, key in enumerate(ids) if first.setdefault(key, i) == i]
         ok = [False] * len(ids)
@@ -242,7 +240,8 @@ class KVPrefetchStorage(HiCacheStorage):
                                 store.chunk_bytes)  # fmt: skip
         keep = [i for i, g in enumerate(good) if g]
         if keep:
-            store.put(self._keys([keys[i] for i in keep]), [srcs[i] for i in keep]).add_done_callback(self._written)
+            written = store.put(self.chunk_keys([keys[i] for i in keep]), [srcs[i] for i in keep])
+            written.add_done_callback(self._written)
         return good
 
     def _written(self, fut: Future) -> None:

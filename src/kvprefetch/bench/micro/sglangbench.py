@@ -130,7 +130,7 @@ class _Bench:
         """Nothing of the pages left in RAM: the node's DRAM pool emptied, the page cache dropped."""
         store = self.ours.store
         assert store is not None
-        for key in self.ours._keys(self.keys):
+        for key in self.ours.chunk_keys(self.keys):
             store.dram.discard(key)
 
     def read(self, path: str) -> float:
@@ -164,7 +164,7 @@ class _Bench:
 
     def _store_get_into(self, batch: list[str]) -> int:
         assert self.ours.store is not None
-        return self.ours.store.get_into(self.ours._keys(batch), self.buffers[: len(batch)])
+        return self.ours.store.get_into(self.ours.chunk_keys(batch), self.buffers[: len(batch)])
 
     def fio(self, iodepth: int) -> float:
         files = sorted(Path(self.file.file_path).glob("*.bin"))
