@@ -423,6 +423,8 @@ class TieredStore:
         remote = [k for k, t in zip(keys, tiers, strict=False) if t is Tier.REMOTE]
         pending.update(self._submit_remote_promotes(remote, cls))
         for key, tier in zip(keys, tiers, strict=False):
+            if key in held:  # a key repeated in one call: its first place is loaded, the repeat ends the prefix
+                break
             slot = self.dram.acquire(key) if tier is Tier.DRAM else None
             if slot is not None:
                 held[key] = slot

@@ -84,3 +84,13 @@ def test_a_read_joins_another_processs_inflight_read(open_store, keyer, make_con
     assert (out == chunk_payload(key)).all()
     assert store.stats()["store"]["promoted"] == 0, "the chunk was not read a second time"
     child.join(30)
+
+
+def test_a_key_repeated_in_one_get_into_loads_its_first_place_and_leaves_no_pin(open_store, keyer):
+    store = open_store()
+    a, b = keyer.keys(list(range(32)))
+    store.put([a, b], [chunk_payload(a), chunk_payload(b)]).result(timeout=30)
+    out = [np.zeros(CHUNK_BYTES, np.uint8) for _ in range(3)]
+    assert store.get_into([a, b, a], out) == 2
+    assert np.array_equal(out[0], chunk_payload(a)) and np.array_equal(out[1], chunk_payload(b))
+    assert store.dram.discard(a) and store.dram.discard(b)  # nobody pins them: the repeat took no second pin
