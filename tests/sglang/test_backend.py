@@ -15,15 +15,12 @@ import pytest
 
 from kvprefetch.config import ConfigError
 from kvprefetch.sglang import BackendSettings
+from kvprefetch.sglang.host_pages import PageGeometry
 from kvprefetch.sglang.hostpool import host_pool
 from tests.sglang.conftest import page_bytes, page_content, tiers_extra
 from tests.sglang.writer import page_key
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _flat(pool) -> int:
-    return pool.get_dummy_flat_data_page().numel() * 2
 
 
 def _read(backend, pool, keys) -> list[bytes | None]:
@@ -33,7 +30,7 @@ def _read(backend, pool, keys) -> list[bytes | None]:
 
 def test_tp_ranks_keep_their_own_pages_and_mla_ranks_share_one(backends, tmp_path, pool_name):
     pool = host_pool()
-    n = _flat(pool)
+    n = PageGeometry.of(pool).page_bytes
     rank0, rank1 = backends(pool, tp_rank=0, tp_size=2), backends(pool, tp_rank=1, tp_size=2)
     assert rank0.batch_set(["p"], [page_content("rank0", n)])
     assert rank1.exists("p") is False  # rank 1 holds other heads: rank 0's page is not its page
@@ -47,7 +44,7 @@ def test_tp_ranks_keep_their_own_pages_and_mla_ranks_share_one(backends, tmp_pat
 
 def test_models_and_tenants_never_read_each_others_pages(backends, tmp_path, pool_name):
     pool = host_pool()
-    n = _flat(pool)
+    n = PageGeometry.of(pool).page_bytes
     base = tiers_extra(tmp_path, pool_name)
     a = backends(pool, extra=base | {"tenant": "a"})
     assert a.batch_set(["p"], [page_content("p", n)])
@@ -59,7 +56,7 @@ def test_models_and_tenants_never_read_each_others_pages(backends, tmp_path, poo
 def test_malformed_calls_get_a_clear_answer_and_store_nothing(backends):
     pool = host_pool()
     ours = backends(pool)
-    n = _flat(pool)
+    n = PageGeometry.of(pool).page_bytes
     idx = pool.alloc(2 * pool.page_size)
     assert ours.batch_set_v1(["a", "b", "c"], idx) == [False] * 3  # two pages of indices for three keys
     assert ours.batch_get_v1(["a"], idx) == [False]
@@ -88,7 +85,7 @@ def test_bad_extra_config_values_name_the_key(tmp_path, pool_name):
 
 def test_damaged_and_truncated_files_are_misses_never_other_bytes(backends, tmp_path, pool_name):
     pool = host_pool()
-    n = _flat(pool)
+    n = PageGeometry.of(pool).page_bytes
     keys = [page_key(i) for i in range(4)]
     writer = backends(pool)
     assert writer.batch_set(keys, [page_content(k, n) for k in keys])
@@ -126,7 +123,7 @@ def test_two_processes_writing_the_same_pages_at_once(backends, tmp_path, pool_n
         assert proc.returncode == 0 and out.split() == ["started", "done"], err[-2000:]
     keys = [page_key(i) for i in range(160)]
     assert reader.batch_exists(keys) == 160
-    n = _flat(pool)
+    n = PageGeometry.of(pool).page_bytes
     assert _read(reader, pool, keys) == [page_bytes(page_content(k, n)) for k in keys]
 
 
@@ -137,7 +134,7 @@ def test_a_sigkilled_writer_leaves_pages_that_are_whole_or_missing(backends, tmp
     pool (the reader keeps it alive) and again from disk alone."""
     pool = host_pool()
     reader = backends(pool)
-    n = _flat(pool)
+    n = PageGeometry.of(pool).page_bytes
     proc = _writer(tmp_path, pool_name, 0, 4000)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
     time.sleep(random.Random(seed).uniform(0.05, 0.6))

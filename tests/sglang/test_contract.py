@@ -20,6 +20,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from kvprefetch.sglang import KVPrefetchStorage
+from kvprefetch.sglang.host_pages import PageGeometry
 from kvprefetch.sglang.hostpool import host_pool, storage_config
 from tests.sglang.conftest import open_backend, page_bytes, page_content, tiers_extra
 
@@ -52,7 +53,7 @@ class SameAnswers(RuleBasedStateMachine):
         here = self.root / f"run{self.runs}"
         self.pool = host_pool(self.layout)
         self.page_tokens = self.pool.page_size
-        self.nbytes = self.pool.get_dummy_flat_data_page().numel() * 2
+        self.nbytes = PageGeometry.of(self.pool).page_bytes
         self.file = HiCacheFile(storage_config(layout=self.layout), file_path=str(here / "hicache"))
         self.file.register_mem_pool_host(self.pool)
         self.ours = open_backend(tiers_extra(here, f"sgl-contract-{id(self)}-{self.runs}"), self.pool,
@@ -132,7 +133,7 @@ def test_a_page_written_one_way_reads_back_the_other(layout, backends):
     back through batch_get into a flat page, and the other way round."""
     pool = host_pool(layout)
     ours = backends(pool, layout=layout)
-    n = pool.get_dummy_flat_data_page().numel() * 2
+    n = PageGeometry.of(pool).page_bytes
     idx = pool.alloc(2 * pool.page_size)
     pool.set_from_flat_data_page(int(idx[0]), page_content("a", n))
     assert ours.batch_set_v1(["a"], idx[: pool.page_size]) == [True]
@@ -147,7 +148,7 @@ def test_zero_copy_reads_write_only_their_pages(backends):
     """batch_get_v1 copies into the named pages and nowhere else in the host pool."""
     pool = host_pool("layer_first")
     ours = backends(pool, layout="layer_first")
-    n = pool.get_dummy_flat_data_page().numel() * 2
+    n = PageGeometry.of(pool).page_bytes
     assert ours.batch_set(["a", "b"], [page_content("a", n), page_content("b", n)])
     pool.kv_buffer.view(torch.uint8).fill_(7)
     before = pool.kv_buffer.clone()

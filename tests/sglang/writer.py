@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from kvprefetch.sglang.host_pages import PageGeometry
 from kvprefetch.sglang.hostpool import host_pool
 from tests.sglang.conftest import open_backend, page_content, tiers_extra
 
@@ -24,7 +25,7 @@ def main(argv: list[str]) -> None:
     extra = tiers_extra(root, pool_name) | json.loads(next((a[8:] for a in argv if a.startswith("--extra=")), "{}"))
     pool = host_pool()
     backend = open_backend(extra, pool)
-    n = pool.get_dummy_flat_data_page().numel() * 2
+    n = PageGeometry.of(pool).page_bytes
     idx = pool.alloc(BATCH * pool.page_size)
     print("started", flush=True)
     for at in range(0, len(order), BATCH):

@@ -194,7 +194,7 @@ class SoakResult:
                 shown = sum(seen)
                 must = [x for f, x in zip(faults, seen, strict=True) if kind in EACH_SHOWS or self.bites(f)]
                 ok = bool(must) and (min(must) > 0 if kind in EACH_SHOWS or kind == "disk_full" else shown > 0)
-                per = ", ".join(f"{x:.0f}" + ("" if self.bites(f) else f" ({self.unbitten(f)})")
+                per = ", ".join(f"{x:.0f}" + (f" ({why})" if (why := self.unbitten(f)) else "")
                                 for f, x in zip(faults, seen, strict=True))  # fmt: skip
                 out.append((f"{kind} in /metrics", ok, f"tier errors {'/'.join(VISIBLE_AS[kind])} per fault: {per}"))
             if kind in LOG_NAMES and n:

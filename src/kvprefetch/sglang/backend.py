@@ -90,14 +90,13 @@ class KVPrefetchStorage(HiCacheStorage):
         """SGLang hands over its host pool right after creating the backend: its page is the store's chunk."""
         super().register_mem_pool_host(mem_pool_host)
         geometry = PageGeometry.of(mem_pool_host)
+        if self.geometry is not None and geometry != self.geometry:
+            raise ValueError(f"kvprefetch: a host pool of another geometry ({geometry}) after {self.geometry}")
+        self.pages = HostPages(mem_pool_host, geometry.page_bytes)
         if self.store is not None:
-            if geometry != self.geometry:
-                raise ValueError(f"kvprefetch: a host pool of another geometry ({geometry}) after {self.geometry}")
-            self.pages = HostPages(mem_pool_host, geometry.page_bytes)
             return
         self.geometry = geometry
         self._digest = self.namespace(geometry).digest
-        self.pages = HostPages(mem_pool_host, geometry.page_bytes)
         self.store = TieredStore(self.store_config(geometry), chunk_bytes=geometry.page_bytes)
         log.info("kvprefetch: HiCache storage over %s, pages of %d B (%s%s)", ",".join(self.settings.store.tiers),
                  geometry.page_bytes, geometry.layout, ", zero-copy" if self.pages.zero_copy else "")  # fmt: skip
@@ -199,10 +198,11 @@ class KVPrefetchStorage(HiCacheStorage):
         while at < len(ids):
             got = store.get_into(ids[at:], dsts[at:], cls=IOClass.PREFETCH)
             ok[at : at + got] = [True] * got
-            at += got + 1
-            held = held or store.residency(ids)
-            while at < len(ids) and not held[at]:
-                at += 1
+            at += got + 1  # past the miss
+            if at < len(ids):  # asked only after a miss inside the batch: a batch of hits asks nothing more
+                held = held if held is not None else store.residency(ids)
+                while at < len(ids) and not held[at]:
+                    at += 1
         return ok
 
     # ---- writes ------------------------------------------------------------------------------------------
@@ -225,7 +225,8 @@ class KVPrefetchStorage(HiCacheStorage):
         if starts is None:
             return [False] * len(keys)
         pages = self._attached_pages()
-        srcs = [pages.runs(i) or _tensor_bytes(pages.pool.get_data_page(i).contiguous()) for i in starts]
+        srcs = [r if (r := pages.runs(i)) is not None else _tensor_bytes(pages.pool.get_data_page(i).contiguous())
+                for i in starts]  # fmt: skip
         return self._write(keys, srcs)
 
     def _write(self, keys: Sequence[str], srcs: Sequence) -> list[bool]:
@@ -278,8 +279,7 @@ class KVPrefetchStorage(HiCacheStorage):
 
     def close(self) -> None:
         if self.store is not None:
-            self.store.flush(timeout=30)
-            self.store.close()
+            self.store.close()  # runs the queued write-backs first
             self.store = None
 
 

@@ -35,27 +35,23 @@ _PROT_READ, _PROT_WRITE = 1, 2
 _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 0x02, 0x10, 0x20
 
 
-class Segments(tuple):
+class Segments:
     """One chunk's bytes laid out in several runs of memory, in order: a page of SGLang's host KV pool, whose K and
     V halves (or each layer's K and V) lie apart in the pool. `copy_bytes` scatters a chunk into it and gathers one
     from it, so a chunk goes between a DRAM slot and the engine's memory in one pass, with no staging copy.
 
-    Invariant: the runs are flat writable byte views and never overlap; `len` is their total."""
+    Invariant: the runs are flat writable byte views and never overlap; `len` is their total bytes, as a buffer's."""
 
-    __slots__ = ()
+    __slots__ = ("nbytes", "runs")
 
-    def __new__(cls, runs) -> Segments:
-        runs = tuple(runs)
-        if not all(isinstance(r, memoryview) and r.ndim == 1 and r.format == "B" for r in runs):
+    def __init__(self, runs) -> None:
+        self.runs: tuple[memoryview, ...] = tuple(runs)
+        if not all(isinstance(r, memoryview) and r.ndim == 1 and r.format == "B" for r in self.runs):
             raise TypeError("Segments holds flat byte memoryviews")
-        return super().__new__(cls, runs)
+        self.nbytes = sum(r.nbytes for r in self.runs)
 
-    def __len__(self) -> int:  # bytes, as a buffer's len
-        return sum(r.nbytes for r in tuple.__iter__(self))
-
-    @property
-    def runs(self) -> tuple[memoryview, ...]:
-        return tuple(tuple.__iter__(self))
+    def __len__(self) -> int:
+        return self.nbytes
 
 
 def copy_bytes(dst, src) -> None:

@@ -304,14 +304,15 @@ def _write_all(store: TieredStore, keys: list[bytes], chunk_bytes: int, batch: i
     return len(keys) * chunk_bytes / (time.perf_counter() - t0) / 1e9
 
 
-def _evict_all(store: TieredStore, keys: list[bytes]) -> None:
+def evict_all(store: TieredStore, keys: list[bytes]) -> None:
+    """Every one of keys out of the store's DRAM pool (what no reader pins), so the next pass reads the disk."""
     for key in keys:
         store.dram.discard(key)
 
 
 def _read_all(store: TieredStore, keys: list[bytes], parallel: bool) -> float:
     """Cold reads from disk into the DRAM pool (promotion), one at a time or all in flight."""
-    _evict_all(store, keys)
+    evict_all(store, keys)
     t0 = time.perf_counter()
     if parallel:
         handle = store.prefetch(keys)
@@ -349,7 +350,7 @@ def _prefetch_one(store: TieredStore, key: bytes) -> bool:
 def _get_into_all(store: TieredStore, keys: list[bytes], chunk_bytes: int, window: int = 16) -> float:
     """The demand path: disk -> DRAM -> caller buffers, `window` chunks per call, buffers reused."""
     buffers = [np.empty(chunk_bytes, np.uint8) for _ in range(window)]
-    _evict_all(store, keys)
+    evict_all(store, keys)
     t0 = time.perf_counter()
     for i in range(0, len(keys), window):
         batch = keys[i : i + window]

@@ -155,11 +155,11 @@ def _sglang_iobench(
 
 def print_sglangbench(result, base: Path) -> None:
     """The four read paths' rates, then the two paired goals."""
-    from kvprefetch.bench.micro.sglangbench import FIO, PATHS
+    from kvprefetch.bench.micro.sglangbench import BATCH, FIO, PATHS
 
     shape = result.shape
     table = Table(title=f"SGLang HiCache storage reads on {base}: {result.pages} pages of "
-                  f"{shape.page_bytes / 2**20:g} MiB ({shape.page_tokens} tokens, {shape.layout}), batches of 128, "
+                  f"{shape.page_bytes / 2**20:g} MiB ({shape.page_tokens} tokens, {shape.layout}), batches of {BATCH}, "
                   f"{len(result.gbps[PATHS[0]])} rounds")  # fmt: skip
     table.add_column("path")
     table.add_column("GB/s median", justify="right")
@@ -170,8 +170,8 @@ def print_sglangbench(result, base: Path) -> None:
         f"DRAM pool on {result.dram_backing})",
         "ours-flat": "kvprefetch batch_get -> flat pages -> host pool",
         "store-get-into": "kvprefetch store get_into -> caller buffers",
+        FIO: f"fio O_DIRECT read of HiCacheFile's files (a page per read, iodepth {result.threads})",
     }
-    names[FIO] = f"fio O_DIRECT read of HiCacheFile's files (a page per read, iodepth {result.threads})"
     for path in result.gbps:
         rates = result.gbps[path]
         table.add_row(names[path], f"{result.median(path):.2f}", f"{min(rates):.2f}..{max(rates):.2f}")

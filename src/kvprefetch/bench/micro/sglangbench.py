@@ -34,8 +34,9 @@ import numpy as np
 import torch
 
 from kvprefetch.bench.micro.fio_reference import fio_available
-from kvprefetch.bench.micro.iobench import huge_page_pool
+from kvprefetch.bench.micro.iobench import evict_all, huge_page_pool
 from kvprefetch.bench.micro.pagecache import drop_page_cache
+from kvprefetch.tiers.chunk_format import image_bytes
 
 BATCH = 128  # SGLang's STORAGE_BATCH_SIZE: pages per storage call
 PATHS = ("hicache-file", "ours-v1", "ours-flat", "store-get-into")
@@ -97,11 +98,13 @@ class _Bench:
         self.pool = host_pool(shape.layout, shape.page_tokens, shape.layers, shape.heads, shape.head_dim,
                               tokens=batch * shape.page_tokens, ratio=1.0)  # fmt: skip
         self.huge = huge
-        image = shape.page_bytes + (8 << 10)
         self.backing = backing = "hugetlbfs" if huge is not None else "shm"
         extra = {
-            "dram": {"capacity_bytes": (pages + 8) * image, "pool_name": f"sglbench-{uuid.uuid4().hex[:8]}"}
-            | {"backing": backing},
+            "dram": {
+                "capacity_bytes": (pages + 8) * image_bytes(shape.page_bytes),
+                "backing": backing,
+                "pool_name": f"sglbench-{uuid.uuid4().hex[:8]}",
+            },
             "disk": {"path": str(root / "ours"), "capacity_bytes": 1 << 50},
             "io": {"threads": threads},
         }
@@ -128,15 +131,13 @@ class _Bench:
 
     def cold(self) -> None:
         """Nothing of the pages left in RAM: the node's DRAM pool emptied, the page cache dropped."""
-        store = self.ours.store
-        assert store is not None
-        for key in self.ours.chunk_keys(self.keys):
-            store.dram.discard(key)
+        assert self.ours.store is not None
+        evict_all(self.ours.store, self.ours.chunk_keys(self.keys))
+        drop_page_cache()
 
     def read(self, path: str) -> float:
         """One cold pass over every page through `path`; GB/s."""
         self.cold()
-        drop_page_cache()
         read_batch = getattr(self, "_" + path.replace("-", "_"))
         t0 = time.perf_counter()
         for batch in self._batches():
@@ -177,9 +178,11 @@ class _Bench:
             (self.huge / "sglbench-fio").unlink(missing_ok=True)
 
     def close(self) -> None:
-        if self.ours.store is not None:
-            self.ours.store.dram.destroy()
+        """Our backend closed and its DRAM pool removed from the node (as iobench's `_close`)."""
+        store = self.ours.store
         self.ours.close()
+        if store is not None:
+            store.dram.destroy()
 
 
 def fio_pages(files: list[Path], page_bytes: int, iodepth: int, iomem: str = "malloc") -> float:
@@ -209,7 +212,7 @@ def run_sglangbench(root: Path, total_bytes: int, threads: int, repeats: int, sh
 def huge_page_bytes(pages: int, shape: PageShape, threads: int) -> int:
     """Huge pages the run reserves where it can (as root; as `kvprefetch iobench` does): our DRAM pool and the
     I/O threads' staging buffers (the store's configuration for speed), and fio's buffers."""
-    image = shape.page_bytes + (8 << 10)
+    image = image_bytes(shape.page_bytes)
     return (pages + 8) * image + threads * (image + (2 << 20)) + (threads + 1) * shape.page_bytes
 
 
