@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 
 if TYPE_CHECKING:
-    from kvprefetch.bench.plan import BenchOptions
+    from kvprefetch.bench.plan import BenchOptions, KvAsk
     from kvprefetch.workload.agent import AgentBench
     from kvprefetch.workload.replay import ChatBench, TraceBench
 
@@ -96,10 +96,12 @@ RegimeOpt = Annotated[
     ),
 ]
 WorkloadOpt = Annotated[
-    Workload,
+    Workload | None,
     typer.Option(
+        show_default=False,
         help="'context' (default: the whitepaper's R2 shape, a long stored context + 32 new tokens, "
-        "the engine batching 4), 'chat' (multi-turn sessions, nothing queues) or 'agent' (sessions of "
+        "the engine batching 4), 'chat' (multi-turn sessions, nothing queues; the default with --engine-kv, "
+        "its conversations then inside the run) or 'agent' (sessions of "
         "turns separated by tool calls, --gap-s; modes recompute, ondemand-sync, prefetch, lease, warm, "
         "dram at concurrency 1,8 unless -m/--concurrency say otherwise)."
     ),
@@ -203,7 +205,18 @@ ChunkTokensOpt = Annotated[
     int | None, typer.Option(help="kvprefetch chunk size in tokens (default 256; 128 with --trace).")
 ]
 KvCacheOpt = Annotated[
-    str | None, typer.Option(help="Engine KV cache size (default: 4 longest requests).")
+    str | None, typer.Option(help="Engine KV cache size (default: 4 longest requests; with --engine-kv, the "
+                             "sweep's full size: every client's conversation at the largest level, at least 8).")
+]
+EngineKvOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="The engine-memory sweep (the whitepaper's R5): every mode at every engine KV size, e.g. "
+        "0.125,0.25,0.5,1 (shares of the full size, --kv-cache) or 32MiB,128MiB; the full size is always "
+        "measured (every ratio's baseline: vLLM alone there). Defaults then: the chat workload with each "
+        "conversation's turns inside the run, modes recompute,prefetch,dram, concurrency 8; report.md reads "
+        "off the engine memory kvprefetch gives back (engine_memory.png)."
+    ),
 ]
 DramOpt = Annotated[
     str | None,
@@ -281,6 +294,7 @@ class BenchArgs:
     no_reuse: bool = False
     chunk_tokens: int | None = None
     kv_cache: str | None = None
+    engine_kv: str | None = None
     dram: str | None = None
     cache_dir: Path | None = None
     keep_cache: bool = False
@@ -310,7 +324,7 @@ def bench(
     mode: ModeOpt = None,
     concurrency: ConcurrencyOpt = None,
     regime: RegimeOpt = "18.2",
-    workload: WorkloadOpt = Workload.context,
+    workload: WorkloadOpt = None,
     gap_s: GapSOpt = "0.5-3",
     dram_life_s: DramLifeSOpt = 0.4,
     repeats: RepeatsOpt = None,
@@ -336,6 +350,7 @@ def bench(
     no_reuse: NoReuseOpt = False,
     chunk_tokens: ChunkTokensOpt = None,
     kv_cache: KvCacheOpt = None,
+    engine_kv: EngineKvOpt = None,
     dram: DramOpt = None,
     cache_dir: CacheDirOpt = None,
     keep_cache: KeepCacheOpt = False,
@@ -348,6 +363,7 @@ def bench(
 ) -> None:
     """The main benchmark: TTFT and throughput of tiered prefetch vs recompute, on-demand loads, all-in-DRAM and
     vLLM's own connector, on real vLLM engines, over a concurrency sweep, in a declared storage regime."""
+    workload = workload or (Workload.chat if engine_kv else Workload.context)
     args = BenchArgs(**locals())
     run_and_report(bench_options(args))
 
@@ -378,8 +394,42 @@ def bench_options(a: BenchArgs) -> BenchOptions:
         kv_cache_bytes=parse_size(a.kv_cache) if a.kv_cache else None,
         dram_bytes=parse_size(a.dram) if a.dram else None,
         out=a.out or Path("bench-results") / dt.datetime.now().strftime("%Y%m%d-%H%M%S"),
-        two_node=_two_node(a),
+        two_node=_two_node(a), engine_kv=_engine_kv(a),
     )  # fmt: skip
+
+
+def parse_engine_kv(text: str) -> list[KvAsk]:
+    """--engine-kv: '0.125,0.25,1' (shares of the full size) or '32MiB,1GiB' (sizes), mixed if need be."""
+    from kvprefetch.bench.plan import KvAsk
+    from kvprefetch.cli_args import parse_size
+
+    asks = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        try:
+            share = float(item)
+        except ValueError:
+            asks.append(KvAsk(float(parse_size(item)), absolute=True))
+            continue
+        if not 0 < share <= 64:
+            raise typer.BadParameter(f"--engine-kv: a share of the full size must be in (0, 64], got {item!r}")
+        asks.append(KvAsk(share))
+    if not asks:
+        raise typer.BadParameter(f"--engine-kv: expected sizes or shares, e.g. 0.125,0.25,0.5,1; got {text!r}")
+    return asks
+
+
+def _engine_kv(a: BenchArgs) -> list[KvAsk]:
+    """The engine-memory sweep's sizes ([]: none); a sweep runs one engine per mode and size, so it runs
+    neither the two-instance nor the two-node scenario, nor a regime sweep."""
+    if not a.engine_kv:
+        return []
+    if a.scenario != Scenario.single:
+        raise typer.BadParameter("--engine-kv runs the single scenario (one engine per mode and size)")
+    if "," in a.regime:
+        raise typer.BadParameter("--engine-kv runs in one regime: give --regime a single value")
+    return parse_engine_kv(a.engine_kv)
 
 
 def _two_node(a: BenchArgs):
@@ -429,11 +479,15 @@ def _modes_and_levels(a: BenchArgs, agent: AgentBench | None) -> tuple[list[str]
 
     asked = _asked_modes(a)
     modes = asked or list(plan.AGENT_MODES if agent is not None else plan.DEFAULT_MODES)
+    if a.engine_kv and not asked:
+        modes = list(plan.ENGINE_MEMORY_MODES)
     if a.quick and not asked:  # an engine start and two cells each: the full run compares with them
         modes = [m for m in modes if m not in PEER_MODES]
     levels = plan.QUICK_CONCURRENCY if a.quick else plan.DEFAULT_CONCURRENCY
     if agent is not None:
         levels = plan.AGENT_CONCURRENCY
+    elif a.engine_kv:
+        levels = plan.ENGINE_MEMORY_CONCURRENCY
     return modes, parse_list(a.concurrency) if a.concurrency else list(levels)
 
 
@@ -467,10 +521,10 @@ def _agent(a: BenchArgs) -> AgentBench | None:
 def _chat(a: BenchArgs) -> tuple[ChatBench, bool]:
     """The chat workload: the default's preset (the whitepaper's R2 context), or plain multi-turn chat for
     --workload chat, --no-reuse, a trace or the two-instance scenario (True then); with the sizes asked."""
-    from kvprefetch.workload.replay import CONTEXT, ChatBench
+    from kvprefetch.workload.replay import CONTEXT, IN_RUN, ChatBench
 
     preset = a.workload == Workload.chat or a.no_reuse or a.trace is not None or a.two_instance
-    chat = ChatBench() if preset else CONTEXT
+    chat = (IN_RUN if a.engine_kv and a.workload == Workload.chat else ChatBench()) if preset else CONTEXT
     two_node_chat = a.two_node and a.workload == Workload.chat
     if a.quick:
         chat = replace(chat, min_sessions=2, sessions_per_concurrency=1.0)
@@ -573,6 +627,7 @@ def _row_line(row: dict) -> str:
 
 def _print_results(results: dict) -> None:
     """The results table (one per regime of a sweep), the cells that failed, the trace's reuse, the notes."""
+    from kvprefetch.bench import engine_memory_report
     from kvprefetch.bench.modes import known_failure
     from kvprefetch.bench.report import regimes_of, rich_table, trace_reuse_lines
 
@@ -582,9 +637,16 @@ def _print_results(results: dict) -> None:
         title += f", measured R = {reg['measured']:.1f}"
     wide = console if console.is_terminal and console.width >= 200 else Console(width=max(console.width, 210))
     regimes = regimes_of(results["rows"])
+    sizes = list(dict.fromkeys(r.get("engine_kv_bytes") for r in results["rows"]))
     for g in regimes:
         head = title if g == regimes[0] else f"kvprefetch bench: {results['workload']['name']}, sweep: regime {g}"
-        wide.print(rich_table([r for r in results["rows"] if r.get("regime") == g], title=head))
+        for size in sizes:
+            rows = [r for r in results["rows"] if r.get("regime") == g and r.get("engine_kv_bytes") == size]
+            share = next((r.get("engine_kv_share") for r in rows), None)
+            wide.print(rich_table(rows, title=head + (f", engine KV {share:g} ({size / 2**20:,.0f} MiB)"
+                                                      if len(sizes) > 1 and size and share else "")))  # fmt: skip
+    for line in engine_memory_report.terminal_lines(results):
+        console.print(line, markup=False, highlight=False)
     for r in results["rows"]:
         if r.get("status") != "ok":
             console.print(f"[yellow]{r['mode']} @ {r['concurrency']}: {r.get('status')}: {r.get('reason')}[/yellow]")

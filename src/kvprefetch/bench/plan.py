@@ -39,6 +39,8 @@ DEFAULT_CONCURRENCY = [1, 8, 16, 32]
 QUICK_CONCURRENCY = [2, 8]
 AGENT_MODES = ["recompute", "ondemand-sync", "prefetch", "lease", "warm", "dram"]
 AGENT_CONCURRENCY = [1, 8]
+ENGINE_MEMORY_MODES = ["recompute", "prefetch", "dram"]  # --engine-kv: vLLM alone, kvprefetch, all-in-DRAM
+ENGINE_MEMORY_CONCURRENCY = [8]  # --engine-kv: one level (an engine per mode and size, each run 3 times)
 DRAM_LIFE_S = 0.4
 """The agent workload's DRAM pressure (`kvprefetch.bench.pressure`): an unpinned chunk lasts this long after its
 last use, as under other engines' traffic on the node; below the shortest default tool gap (0.5 s), so an
@@ -82,6 +84,44 @@ class BenchOptions:
     repeats: int = 3  # rounds of every cell, modes interleaved within a round (kvprefetch.bench.rounds)
     topology: TopologyKind = "gpu-node"  # where the engines' threads run (kvprefetch.bench.topology)
     two_node: TwoNodeOptions | None = None  # the two-node scenario (`kvprefetch.bench.two_node_run`)
+    engine_kv: list[KvAsk] = field(default_factory=list)  # the engine-memory sweep's sizes (`--engine-kv`)
+
+
+@dataclass(frozen=True)
+class KvAsk:
+    """One engine KV size of the engine-memory sweep as asked: a share of the run's full size, or bytes."""
+
+    value: float
+    absolute: bool = False  # value is bytes, not a share
+
+    def resolve(self, full_bytes: int) -> int:
+        return int(self.value) if self.absolute else int(self.value * full_bytes)
+
+
+ENGINE_RESERVED_TOKENS = 128
+"""vLLM keeps one block of its KV cache out of use (its null block: 128 tokens on the CPU backend, 16 on GPUs), so
+an engine starts only if its KV holds one request of max_model_len and this much more."""
+
+
+@dataclass(frozen=True)
+class EngineSize:
+    """One engine KV size the sweep measures every mode at: its bytes, its share of the full size, and
+    whether vLLM can start with it (its KV must hold one request of the run's max_model_len and the block vLLM
+    reserves, `ENGINE_RESERVED_TOKENS`)."""
+
+    bytes: int
+    share: float
+    tokens: int
+    fits: bool
+
+    @property
+    def label(self) -> str:
+        """How rows, engines and files name it: the share ('0.25'), for sizes asked in bytes too."""
+        return f"{self.share:.4g}"
+
+    def tags(self) -> dict[str, Any]:
+        """What every row of an engine of this size carries."""
+        return {"engine_kv_bytes": self.bytes, "engine_kv_share": round(self.share, 6)}
 
 
 # ---- model --------------------------------------------------------------------------------------------------
@@ -198,6 +238,7 @@ class BenchPlan:
     modes: list[str]  # those asked that exist
     avail: dict[str, tuple[bool, str]]  # each mode: can it run here, and why not
     calibrates: bool  # each simulated mode's engine measured after its cells
+    engine_sizes: tuple[EngineSize, ...] = ()  # the engine-memory sweep's sizes, the full size first; () if none
 
     @property
     def running(self) -> list[str]:
@@ -215,14 +256,23 @@ class BenchPlan:
         ours = {"enable_prefix_caching": False} if self.agent is not None else {}
         return ours | {k: v for k, v in self.opts.engine_args.items() if k not in SPEC_KEYS}
 
-    def engine_spec(self, kv_transfer: dict | None, *, cgroup: str | None, env: dict | None = None) -> EngineSpec:
+    @property
+    def sizes(self) -> tuple[EngineSize, ...]:
+        """The engine KV sizes every mode runs at: the sweep's, or the one size of the run."""
+        return self.engine_sizes or (self.full_size(),)
+
+    def full_size(self) -> EngineSize:
+        return engine_size(self.kv_cache_bytes, self.kv_cache_bytes, self.model.bytes_per_token, self.max_model_len)
+
+    def engine_spec(self, kv_transfer: dict | None, *, cgroup: str | None, env: dict | None = None,
+                    kv_cache_bytes: int | None = None) -> EngineSpec:  # fmt: skip
         topo = self.topology.spec()
         return EngineSpec(
             model=self.model.path,
             load_format=self.model.load_format,
             dtype=self.model.dtype,
             max_model_len=self.max_model_len,
-            kv_cache_bytes=self.kv_cache_bytes,
+            kv_cache_bytes=kv_cache_bytes or self.kv_cache_bytes,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.opts.max_num_batched_tokens,
             engine_args=self.engine_args(),
@@ -249,12 +299,43 @@ class BenchPlan:
         """The whole run's seconds for the progress bar: populate, then each mode's start, cells, calibration."""
         o = self.opts
         total = 25 + 15 + self.workload.prelude_tokens() / EST_PREFILL_TPS + 20
+        engines = len(self.sizes)
         for m in self.running:
             calibrate = CALIBRATE_EST_S if m in BENCH_MODES and self.calibrates else 0.0
             two = m in TWO_INSTANCE_MODES or o.two_node is not None
             rounds = o.repeats if o.two_node is not None else 1 if two else o.repeats * (1 + len(o.sweep))
-            total += 25 * (2 if two else 1) + calibrate + self.mode_estimate(m, EST_PREFILL_TPS, rounds)
+            if not two:
+                rounds *= engines
+            total += 25 * (2 if two else engines) + calibrate + self.mode_estimate(m, EST_PREFILL_TPS, rounds)
         return total
+
+
+def engine_size(nbytes: int, full_bytes: int, bytes_per_token: int, max_model_len: int) -> EngineSize:
+    tokens = nbytes // bytes_per_token
+    fits = tokens >= max_model_len + ENGINE_RESERVED_TOKENS
+    return EngineSize(bytes=nbytes, share=nbytes / full_bytes, tokens=tokens, fits=fits)
+
+
+def engine_sizes(asks: list[KvAsk], full_bytes: int, bytes_per_token: int,
+                 max_model_len: int) -> tuple[EngineSize, ...]:  # fmt: skip
+    """The sweep's sizes, the full size first and always (every ratio's baseline is vLLM alone at it), then
+    the others largest first; a size asked twice is measured once."""
+    if not asks:
+        return ()
+    others = {a.resolve(full_bytes) for a in asks} - {full_bytes}
+    return tuple(engine_size(b, full_bytes, bytes_per_token, max_model_len)
+                 for b in [full_bytes, *sorted(others, reverse=True)])  # fmt: skip
+
+
+def default_kv_tokens(opts: BenchOptions, w: BenchWorkload, max_model_len: int) -> int:
+    """The engine's KV cache by default, in tokens: room for 4 of the workload's longest requests; the agent
+    workload's, for every active session's turn. Chat whose reuse is inside the run: every client's conversation
+    at the largest level, and at least 8, each with the block vLLM reserves (so 1/8 of it still starts vLLM): the
+    size at which vLLM alone keeps all its reuse, the engine-memory sweep's full size."""
+    if w.declared.get("prelude_turns") == 0 and w.declared.get("reuse", True) and opts.agent is None:
+        return max(8, max(opts.concurrency)) * (max_model_len + ENGINE_RESERVED_TOKENS)
+    heads = max(4, max(opts.concurrency)) if opts.agent is not None else 4
+    return default_engine_kv_tokens(w.max_len(), heads)
 
 
 def plan_bench(opts: BenchOptions) -> BenchPlan:
@@ -264,8 +345,7 @@ def plan_bench(opts: BenchOptions) -> BenchPlan:
     topology = plan_topology(opts.topology if not cuda else "shared", tp)
     w = build_workload(opts, model.vocab_size, model.bytes_per_token)
     max_model_len = min(_round_up(w.max_len() + 64, 256), int(model.config.get("max_position_embeddings", 1 << 30)))
-    heads = max(4, max(opts.concurrency)) if opts.agent is not None else 4  # agent: every active session's turn
-    kv_cache_bytes = int(opts.kv_cache_bytes or default_engine_kv_tokens(w.max_len(), heads) * model.bytes_per_token)
+    kv_cache_bytes = int(opts.kv_cache_bytes or default_kv_tokens(opts, w, max_model_len) * model.bytes_per_token)
     modes = [m for m in opts.modes if m in MODES]
     return BenchPlan(
         opts=opts,
@@ -278,6 +358,8 @@ def plan_bench(opts: BenchOptions) -> BenchPlan:
         sizing=store_sizing(opts, w, model, topology),
         modes=modes,
         avail={m: availability(m, cuda, opts.remote_backend) for m in modes},
-        # the simulator does not model the agent workload (leases, warm-ups, no engine prefix cache)
-        calibrates=opts.calibrate_modes and opts.agent is None and opts.two_node is None,
+        # the simulator does not model the agent workload (leases, warm-ups, no engine prefix cache), nor a
+        # sweep of engine sizes (`kvprefetch sim --scenario engine-memory` projects that on its own)
+        calibrates=opts.calibrate_modes and opts.agent is None and opts.two_node is None and not opts.engine_kv,
+        engine_sizes=engine_sizes(opts.engine_kv, kv_cache_bytes, model.bytes_per_token, max_model_len),
     )

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvprefetch.bench import plotting
+from kvprefetch.bench import engine_memory_report, plotting
 from kvprefetch.bench.agent_report import agent_lines, has_leases, lease_plot
 from kvprefetch.bench.modes import known_failure
 from kvprefetch.bench.rounds import UNSTEADY_RATIO, find_row, paired, unsteady
@@ -285,7 +285,10 @@ PLOT_LINES = ["## Plots", "", "![TTFT p50](ttft_p50.png)", "![throughput](throug
 
 
 def markdown_report(results: dict) -> str:
-    """report.md: its sections in order, each built from the results on its own."""
+    """report.md: its sections in order, each built from the results on its own; an engine-memory sweep's
+    sizes in a section of their own, the others showing the full size's rows."""
+    sweep = engine_memory_report.markdown_lines(results)
+    results = at_full_size(results)
     rows = results.get("rows", [])
     agent = results.get("workload", {}).get("kind") == "agent" or has_leases(rows)
     sections = [
@@ -293,6 +296,7 @@ def markdown_report(results: dict) -> str:
         _setup_lines(results),
         _regime_lines(results.get("regime", {}), results.get("config", {})),
         _results_lines(rows),
+        sweep,
         unsteady_lines(rows),
         _rank_lines(rows),
         _against_baselines_lines(results, comparisons(rows)),
@@ -624,8 +628,16 @@ def markdown_table(rows: list[dict]) -> list[str]:
     return out
 
 
+def at_full_size(results: dict) -> dict:
+    """The results with only the full size's rows (an engine-memory sweep's other sizes have their own
+    section and plot; every other run is returned as it is)."""
+    rows = results.get("rows", [])
+    full = engine_memory_report.full_size_rows(rows)
+    return results if full is rows else results | {"rows": full}
+
+
 def plots(results: dict, out: Path) -> list[str]:
-    rows = own_regime(results.get("rows", []))
+    rows = own_regime(at_full_size(results).get("rows", []))
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     written = []
     for key, name, ylabel, title in (
@@ -695,6 +707,7 @@ def write_outputs(results: dict, out: Path) -> list[str]:
         (out / "calibration.json").write_text(json.dumps(results["calibration"], indent=2) + "\n")
         files.append("calibration.json")
     files += plots(results, out)
+    files += engine_memory_report.plots(results, out)
     files += lease_plot(results, out)
     files += two_node_plots(results, out)
     (out / "report.md").write_text(markdown_report(results))

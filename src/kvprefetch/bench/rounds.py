@@ -24,16 +24,17 @@ UNSTEADY_RATIO = 2.0
 moves a cell by about 25%, so a round 2x its sibling is something that happened in that round (issue 48: an
 8x round hid behind a median and a min-max range)."""
 SAMPLE_KEYS = ("ttft_samples_s",)  # per-request samples: every round's, pooled
-IDENTITY_KEYS = ("mode", "concurrency", "regime", "workload", "status")  # what a cell is, not what it measured
+IDENTITY_KEYS = ("mode", "concurrency", "regime", "workload", "status", "engine_kv_bytes", "engine_kv_share")
+"""What a cell is, not what it measured."""
 
 
 def aggregate(runs: list[dict]) -> list[dict]:
-    """One row per (regime, mode, concurrency) in first-run order: medians of the ok rounds' numbers, their
-    samples pooled, the rest (lists such as requests per engine, text) from the first round. A cell no round
-    measured keeps its first failure."""
-    groups: dict[tuple[Any, str, int], list[dict]] = {}
+    """One row per (regime, mode, concurrency, engine KV size) in first-run order: medians of the ok rounds'
+    numbers, their samples pooled, the rest (lists such as requests per engine, text) from the first round. A
+    cell no round measured keeps its first failure."""
+    groups: dict[tuple[Any, str, int, Any], list[dict]] = {}
     for r in runs:
-        groups.setdefault((r.get("regime"), r["mode"], r["concurrency"]), []).append(r)
+        groups.setdefault((r.get("regime"), r["mode"], r["concurrency"], r.get("engine_kv_bytes")), []).append(r)
     return [_merge(rs) for rs in groups.values()]
 
 
@@ -77,11 +78,12 @@ def unsteady(row: dict) -> list[str]:
     return out
 
 
-def find_row(rows: list[dict], mode: str, c: int, regime: Any = None) -> dict | None:
-    """The ok row of `mode` at concurrency `c` (in `regime`, when given)."""
+def find_row(rows: list[dict], mode: str, c: int, regime: Any = None, kv_bytes: int | None = None) -> dict | None:
+    """The ok row of `mode` at concurrency `c` (in `regime`, at engine KV size `kv_bytes`, when given)."""
     for r in rows:
         if (r.get("mode") == mode and r.get("concurrency") == c and r.get("status") == "ok"
-                and (regime is None or r.get("regime") == regime)):  # fmt: skip
+                and (regime is None or r.get("regime") == regime)
+                and (kv_bytes is None or r.get("engine_kv_bytes") == kv_bytes)):  # fmt: skip
             return r
     return None
 

@@ -49,6 +49,7 @@ from kvprefetch.bench.plan import (
     CALIBRATE_EST_S,
     BenchOptions,
     BenchPlan,
+    EngineSize,
     cuda_available,
     plan_bench,
 )
@@ -72,13 +73,20 @@ engine finished; a cell after one of its own engine's (the levels of a mode foll
 
 @dataclass
 class _ModeEngine:
-    """A mode's engine and what it owns for the run (closed once every round is done)."""
+    """A mode's engine at one engine KV size, and what it owns for the run (closed once every round is done)."""
 
     mode: str
+    size: EngineSize
+    name: str  # the mode, with its size's share in an engine-memory sweep ('prefetch@0.25'): engines' key
     eng: EngineProcess | None
     pool: str  # its DRAM pool
     disk: Path  # its copy of the populated disk tier
     server: Any = None  # the remote mode's server
+
+    @property
+    def tags(self) -> dict[str, Any]:
+        """What every row of this engine carries besides its mode."""
+        return self.size.tags()
 
 
 def machine_info() -> dict:
@@ -221,9 +229,10 @@ class Bench:
         opened: dict[str, _ModeEngine] = {}
         try:
             single = [m for m in plan.running if m not in TWO_INSTANCE_MODES]
-            for me in [self._launch_mode(m, pop, throttle, opened) for m in single]:
+            launched = [self._launch_mode(m, size, pop, throttle, opened) for size in plan.sizes for m in single]
+            for me in launched:
                 if me is not None and not self._ready_mode(me, pop):
-                    del opened[me.mode]
+                    del opened[me.name]
             for label, bps in [(pop.regime["asked"], pop.regime.get("target_read_bps")), *pop.sweep]:
                 self._run_regime(opened, label, bps, throttle)
         except BaseException:  # a failure or SIGINT/SIGTERM: close the engines now, without calibrating them
@@ -247,20 +256,24 @@ class Bench:
                 if me.eng is not None:
                     me.eng.call(P.StreamLimit(bps=stream_bps(bps)))
         for k in range(o.repeats):
-            for m, me in opened.items():
+            for me in opened.values():
                 where = f" (round {k + 1} of {o.repeats})" if o.repeats > 1 else ""
                 if sweep:
                     where += f", regime {label}"
-                self._run_cells(m, where, lambda c, me=me, k=k: self._mode_cell(me, c, k), k)
+                if self.plan.engine_sizes:
+                    where += f", engine KV {me.size.label} ({me.size.tokens:,} tokens)"
+                self._run_cells(me.mode, where, lambda c, me=me, k=k: self._mode_cell(me, c, k), k, me.tags)
 
-    def _start_failed(self, mode: str, err: BaseException) -> None:
+    def _start_failed(self, mode: str, err: BaseException, tags: dict[str, Any] | None = None) -> None:
         self.notes.append(f"{mode}: engine failed to start: {str(err)[:2000]}")
         for c in self.plan.opts.concurrency:
-            self._add_row({"mode": mode, "concurrency": c, "status": "failed", "reason": "engine start failed"})
+            self._add_row({"mode": mode, "concurrency": c, "status": "failed", "reason": "engine start failed"}
+                          | (tags or {}))  # fmt: skip
 
-    def _run_cells(self, mode: str, where: str, cell: Callable[[int], tuple[dict, dict]], round_: int = 0) -> None:
+    def _run_cells(self, mode: str, where: str, cell: Callable[[int], tuple[dict, dict]], round_: int = 0,
+                   tags: dict[str, Any] | None = None) -> None:  # fmt: skip
         """One run per concurrency level: `cell(c)` runs it and returns (engine result, extra row fields);
-        an engine error fails that run only."""
+        an engine error fails that run only. Every row carries `tags` (its engine's size)."""
         plan, tps = self.plan, self.pop.tps if self.pop else 0.0
         for c in plan.opts.concurrency:
             est = plan.cell_estimate(mode, c, tps)
@@ -274,7 +287,7 @@ class Bench:
             except EngineError as err:
                 self.notes.append(f"{mode} @ {c}: {str(err)[:2000]}")
                 row = {"mode": mode, "concurrency": c, "status": "failed", "reason": str(err).splitlines()[0]}
-            self._add_row(row | {"round": round_})
+            self._add_row(row | (tags or {}) | {"round": round_})
             self.progress.update(f"{mode} @ concurrency {c} done", est)
 
     def _add_row(self, row: dict) -> None:
@@ -283,12 +296,18 @@ class Bench:
         self.runs.append(row)
         self.on_row(row)
 
-    def _launch_mode(self, mode: str, pop: Populated, throttle, opened: dict[str, _ModeEngine]) -> _ModeEngine | None:
-        """The mode's engine launched (not waited for: the modes' engines start at once), on its own copy of the
-        populated disk tier and its own DRAM pool, and entered in `opened` (closed from there if the run stops);
-        None if it failed to launch (its rows say so)."""
+    def _launch_mode(self, mode: str, size: EngineSize, pop: Populated, throttle,
+                     opened: dict[str, _ModeEngine]) -> _ModeEngine | None:  # fmt: skip
+        """The mode's engine at `size` launched (not waited for: the modes' engines start at once), on its own
+        copy of the populated disk tier and its own DRAM pool, and entered in `opened` (closed from there if the
+        run stops); None if it failed to launch, or its size cannot start vLLM (its rows say so)."""
         plan, files = self.plan, self.files
-        me = opened[mode] = _ModeEngine(mode, None, files.pool(mode), files.work / f"disk-{mode}")
+        name = f"{mode}@{size.label}" if plan.engine_sizes else mode
+        if not size.fits:
+            self._size_unavailable(mode, size)
+            return None
+        slug = name.replace("@", "-kv")
+        me = opened[name] = _ModeEngine(mode, size, name, None, files.pool(slug), files.work / f"disk-{slug}")
         sizing = dram_sizing(plan, pop) if mode == "dram" else pop.sizing
         if mode in CONNECTOR_MODES:
             _clone_tree(files.populated, me.disk)
@@ -300,31 +319,39 @@ class Bench:
                 me.server, remote = start_remote_server(self.plan, pop, mode, self.files, self.progress.update)
             env = lmcache_env(sizing, me.disk) if mode == "lmcache" else None
             spec = self.plan.engine_spec(kv_transfer_config(mode, sizing, me.disk, me.pool, remote=remote),
-                                         cgroup=str(throttle.path) if throttle else None, env=env)  # fmt: skip
-            me.eng = self._launch(mode, spec)
+                                         cgroup=str(throttle.path) if throttle else None, env=env,
+                                         kv_cache_bytes=size.bytes)  # fmt: skip
+            me.eng = self._launch(name, spec)
         except (EngineError, RuntimeError, OSError, TimeoutError) as err:
-            self._mode_failed(opened.pop(mode), err)
+            self._mode_failed(opened.pop(name), err)
             return None
         return me
+
+    def _size_unavailable(self, mode: str, size: EngineSize) -> None:
+        """Rows saying a size too small for vLLM to start (it needs room for one max-length request)."""
+        why = (f"engine KV of {size.tokens:,} tokens is below one request of max_model_len "
+               f"{self.plan.max_model_len:,} and the block vLLM reserves: vLLM does not start")  # fmt: skip
+        for c in self.plan.opts.concurrency:
+            self._add_row({"mode": mode, "concurrency": c, "status": "unavailable", "reason": why} | size.tags())
 
     def _ready_mode(self, me: _ModeEngine, pop: Populated) -> bool:
         """A launched mode's engine ready and warmed up, its remote peer seeded, its starting state prepared
         (`_prepare`); False if it failed (closed, its rows say so)."""
         assert me.eng is not None
         try:
-            self._warm_up(me.mode, me.eng)
+            self._warm_up(me.name, me.eng)
             if me.mode in REMOTE_MODES:
                 self.notes.append(seed_remote(self.plan, self.files, me.mode, me.eng, self.progress.update))
         except (EngineError, RuntimeError, OSError, TimeoutError) as err:
             self._mode_failed(me, err)
             return False
         self._prepare(me)
-        self.last_active = (me.mode, time.monotonic())  # its warm-up (and preload or prelude) just ran
+        self.last_active = (me.name, time.monotonic())  # its warm-up (and preload or prelude) just ran
         return True
 
     def _mode_failed(self, me: _ModeEngine, err: BaseException) -> None:
         self._close_mode(me, calibrate=False)
-        self._start_failed(me.mode, err)
+        self._start_failed(me.mode, err, me.tags)
         tps = self.pop.tps if self.pop else 0.0
         self.progress.update(f"{me.mode}: failed", self.plan.mode_estimate(me.mode, tps, self.plan.opts.repeats))
 
@@ -347,22 +374,23 @@ class Bench:
         DRAM tier emptied, so every round of a cell finds what the first found (the disk tier)."""
         o = self.plan.opts
         assert me.eng is not None
-        self._reset(me.eng, me.mode, c)
+        self._reset(me.eng, me.name, c)
         if me.mode in CONNECTOR_MODES and me.mode != "dram":
             me.eng.call(P.CoolDram())
-        tag = f"{me.mode}-c{c}" + (f"-r{round_}" if o.repeats > 1 else "")
-        self._settle(me.mode)
-        fresh = not self.plan.workload.declared.get("reuse", True)  # each round's prompts new to every tier
+        tag = f"{me.name.replace('@', '-kv')}-c{c}" + (f"-r{round_}" if o.repeats > 1 else "")
+        self._settle(me.name)
+        declared = self.plan.workload.declared  # each round's prompts new to every tier?
+        fresh = declared.get("fresh_rounds", not declared.get("reuse", True))
         try:
             res = me.eng.call(P.Run(file=str(self.files.workload), level=c, concurrency=c, tag=tag,
                                     timeout_s=o.cell_timeout_s, record_steps=o.step_log,
                                     salt=round_ if fresh else 0, **self._agent_args(me.mode)),
                               timeout=o.cell_timeout_s + 300)  # fmt: skip
         finally:
-            self.last_active = (me.mode, time.monotonic())
+            self.last_active = (me.name, time.monotonic())
         steps = res.pop("steps", None)
         if round_ == 0:  # the step check replays one round per cell
-            self._write_steps(f"{me.mode}-c{c}", steps)
+            self._write_steps(f"{me.name.replace('@', '-kv')}-c{c}", steps)
         return res, self._agent_row(me.mode, c, res.pop("agent", None))
 
     def _agent_args(self, mode: str) -> dict[str, Any]:
@@ -387,10 +415,10 @@ class Bench:
                               f"their budget of {agent['lease_budget_keys']}")  # fmt: skip
         return agent | {"lease_within_budget": within}
 
-    def _settle(self, mode: str) -> None:
+    def _settle(self, name: str) -> None:
         """With the gpu-node topology, wait until another engine that ran last has stopped polling the model's
         cores (`ENGINE_SETTLE_S` after it finished)."""
-        if self.plan.topology.kind != "gpu-node" or self.last_active is None or self.last_active[0] == mode:
+        if self.plan.topology.kind != "gpu-node" or self.last_active is None or self.last_active[0] == name:
             return
         time.sleep(max(0.0, self.last_active[1] + ENGINE_SETTLE_S - time.monotonic()))
 
@@ -549,6 +577,7 @@ def _config(plan: BenchPlan, pop: Populated | None, files: RunFiles) -> dict:
         "max_model_len": plan.max_model_len,
         "engine_kv_cache_bytes": plan.kv_cache_bytes,
         "engine_kv_cache_tokens": plan.kv_cache_bytes // plan.model.bytes_per_token,
+        "engine_kv_sizes": [size.tags() | {"tokens": size.tokens, "fits": size.fits} for size in plan.engine_sizes],
         "engine_block_tokens": pop.engine_block_tokens if pop else None,
         "max_num_seqs": plan.max_num_seqs,
         "max_num_batched_tokens": o.max_num_batched_tokens,
@@ -571,6 +600,8 @@ def simulator_prediction(results: dict) -> list[dict]:
         if results["workload"].get("kind") == "agent":  # not modelled: leases, warm-ups, tool gaps
             return []
         if "two_node" in results:  # two nodes and a link: `kvprefetch sim --scenario cluster` projects those
+            return []
+        if results["config"].get("engine_kv_sizes"):  # engine sizes: `kvprefetch sim --scenario engine-memory`
             return []
         out = predict_bench(results)
         results["calibration"] = asdict(calibration_from_results(results))

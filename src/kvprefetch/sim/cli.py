@@ -173,6 +173,31 @@ def _run_cluster(nodes: str, concurrency: str | None, json_path: Path | None, pl
         json_path.write_text(json.dumps([p.to_json() for p in projections], indent=2) + "\n")
 
 
+def _run_engine_memory(concurrency: str | None, json_path: Path | None, plots: Path | None) -> None:
+    """`--scenario engine-memory`: the whitepaper's 14B deployment with its engine KV cut to shares of the full
+    size (`kvprefetch.sim.engine_memory`); --concurrency: the clients (default: as many as the full KV holds)."""
+    import json
+
+    from kvprefetch.sim.engine_memory import POLICIES, Inputs, lines, plot, project
+
+    try:
+        clients = int(concurrency) if concurrency else None
+        inputs = Inputs(concurrency=clients)
+        if inputs.clients() < 1:
+            raise ValueError("at least one client")
+    except ValueError as err:
+        raise typer.BadParameter(f"--concurrency: one number of clients for --scenario engine-memory ({err})") from None
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("simulating", total=len(inputs.shares) * len(POLICIES))
+        projection = project(inputs, progress=lambda: bar.advance(task))
+    for line in lines(projection):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    if plots:
+        console.print(f"wrote {plot(projection, plots / 'engine_memory_14b.png')}")
+    if json_path:
+        json_path.write_text(json.dumps(projection.to_json(), indent=2, default=str) + "\n")
+
+
 def _run_scenario(name: str, trace: Path, json_path: Path | None, plots: Path | None) -> None:
     from kvprefetch.sim.plots import ttft_vs_concurrency
     from kvprefetch.sim.report import mooncake_rows, print_rows, whitepaper_rows, write_json
@@ -218,8 +243,11 @@ def register(app: typer.Typer) -> None:
         scenario: Annotated[
             str | None,
             typer.Option(
-                help="validation scenario, 'all', 'bench' (with --bench-results), or 'cluster': the whitepaper's "
-                "deployment on --nodes N nodes sharing its array (--concurrency: clients per node, default 16)"
+                help="validation scenario, 'all', 'bench' (with --bench-results), 'cluster': the whitepaper's "
+                "deployment on --nodes N nodes sharing its array (--concurrency: clients per node, default 16), or "
+                "'engine-memory': the whitepaper's 14B run (R5) with its engine KV cut to 1, 1/2, 1/4 and 1/8 of "
+                "what the accelerator leaves it, vLLM alone against kvprefetch (--concurrency: clients, default as "
+                "many as the full KV holds conversations)"
             ),
         ] = None,
         bench_results: Annotated[
@@ -289,6 +317,9 @@ def register(app: typer.Typer) -> None:
             return
         if scenario == "cluster":
             _run_cluster(nodes, concurrency, json, plots)
+            return
+        if scenario == "engine-memory":
+            _run_engine_memory(concurrency, json, plots)
             return
         if scenario:
             _run_scenario(scenario, trace, json, plots)

@@ -133,11 +133,23 @@ class ChatBench:
     reuse: bool = True  # False: no prelude, no system prompt, one turn per session (nothing to hit anywhere)
     # Requests of each conversation run in the prelude: None = all but the last (every measured turn's history
     # is already stored); 1 = only the first, so each measured turn hits what the turn before it computed
-    # (the two-instance scenario: on the other engine).
+    # (the two-instance scenario: on the other engine); 0 = none: the whole conversation runs in the cell, its
+    # reuse inside the run (`IN_RUN`), and each round's prompts are new to every tier (`fresh_rounds`).
     prelude_turns: int | None = None
 
     def sessions_for(self, concurrency: int) -> int:
         return level_count(self.min_sessions, self.sessions_per_concurrency, concurrency)
+
+    @property
+    def in_run(self) -> bool:
+        """Every turn of a conversation measured, its first included: nothing is stored before the cell."""
+        return self.reuse and self.prelude_turns == 0
+
+    @property
+    def fresh_rounds(self) -> bool:
+        """Each round's prompts must be new to every tier: a round must not find what an earlier one saved,
+        where the cell's reuse is meant to come from the cell itself (or there is none)."""
+        return not self.reuse or self.in_run
 
 
 CONTEXT = ChatBench(
@@ -160,10 +172,17 @@ relatively far slower than it prefills). With the engine batching 4 requests (`C
 
 CONTEXT_MAX_NUM_SEQS = 4
 
+IN_RUN = ChatBench(prelude_turns=0, measured_turns=4)
+"""Multi-turn chat whose reuse stays inside the cell (the engine-memory sweep, `--engine-kv`): every
+conversation's turns run one after another in the cell, the first included, so a turn's prefix is what its
+own conversation computed seconds before. vLLM alone keeps it in its KV cache if the cache holds every
+active conversation, and recomputes it if not; kvprefetch loads it from its tiers. Four turns: three of them
+reuse, as in the whitepaper's R5 multi-turn load."""
+
 
 def chat_workload(spec: ChatBench, concurrencies: list[int], vocab_size: int) -> BenchWorkload:
     counts = [spec.sessions_for(c) for c in concurrencies]
-    turns = spec.measured_turns + 1 if spec.reuse else 1
+    turns = 1 if not spec.reuse else spec.measured_turns if spec.in_run else spec.measured_turns + 1
     base = ChatWorkload(
         sessions=sum(counts),
         turns=turns,
@@ -187,7 +206,7 @@ def chat_workload(spec: ChatBench, concurrencies: list[int], vocab_size: int) ->
         sessions = []
         for _ in range(n):
             reqs = sorted(by_session[sid], key=lambda r: r.turn)
-            if spec.reuse:
+            if spec.reuse and not spec.in_run:
                 upto = len(reqs) - 1 if spec.prelude_turns is None else min(spec.prelude_turns, len(reqs) - 1)
                 history = [Turn(r.token_ids(vocab_size).tolist(), 1) for r in reqs[:upto]]
                 prelude.append(Session(f"p{sid}", 0.0, history))
@@ -203,6 +222,7 @@ def chat_workload(spec: ChatBench, concurrencies: list[int], vocab_size: int) ->
     declared = {
         "kind": spec.name,
         **asdict(spec),
+        "fresh_rounds": spec.fresh_rounds,
         "sessions_per_level": {str(c): n for c, n in zip(concurrencies, counts, strict=True)},
     }
     return BenchWorkload(spec.name, declared, prelude, levels)
