@@ -6,8 +6,7 @@ Every mode ran at every engine KV size, the rounds interleaved across modes and 
 .paired`): median and range over the rounds; a range across the threshold is not a pass.
 
 * `points`: per mode and size, the medians, their ranges and the paired ratios to vLLM alone at full size;
-* `give_back`: the smallest size at which `prefetch` keeps `GIVE_BACK_SHARE` of that throughput, and at every
-  larger size too (a curve that dips and recovers does not give the memory back);
+* `give_back`: the smallest size at which `prefetch` keeps `GIVE_BACK_SHARE` of that throughput;
 * `goals`: the issue's goals at `GOAL_SHARE`;
 * `markdown_lines`, `terminal_lines` and `plots`: report.md's section, the terminal's summary and
   engine_memory.png.
@@ -98,15 +97,11 @@ def _mode_rank(mode: str) -> int:
 
 
 def give_back(pts: list[SizePoint], concurrency: int, mode: str = "prefetch") -> SizePoint | None:
-    """The smallest size at which `mode` keeps `GIVE_BACK_SHARE` of vLLM alone's full-size throughput (paired
-    median), as it does at every larger size; None if it does not even at full size."""
-    ours = sorted((p for p in pts if p.mode == mode and p.concurrency == concurrency), key=lambda p: -p.kv_bytes)
-    found = None
-    for p in ours:
-        if p.tput_vs_full is None or p.tput_vs_full["ratio"] < GIVE_BACK_SHARE:
-            break
-        found = p
-    return found
+    """The smallest size at which `mode` keeps `GIVE_BACK_SHARE` of vLLM alone's full-size throughput (the
+    paired median, as the issue reads it; the report prints the rounds' range beside it); None if at no size."""
+    ours = [p for p in pts if p.mode == mode and p.concurrency == concurrency and p.tput_vs_full is not None]
+    keeps = [p for p in ours if p.tput_vs_full["ratio"] >= GIVE_BACK_SHARE]
+    return min(keeps, key=lambda p: p.kv_bytes, default=None)
 
 
 def _at(pts: list[SizePoint], mode: str, c: int, share: float) -> SizePoint | None:
@@ -185,9 +180,11 @@ def summary_lines(pts: list[SizePoint], concurrency: int) -> list[str]:
         freed = full.kv_bytes - found.kv_bytes if full else 0
         out.append(f"- **Memory given back at c={concurrency}: {1 - found.share:.0%} of the engine's KV "
                    f"({_mib(freed)} of {_mib(full.kv_bytes) if full else '?'})**: the smallest size at which prefetch "
-                   f"keeps >= {GIVE_BACK_SHARE:.0%} of vLLM alone's full-size throughput (and at every larger size) "
-                   f"is {found.share:g} ({_mib(found.kv_bytes)}): throughput {_ratio_text(found.tput_vs_full)}, "
-                   f"TTFT p50 {_ratio_text(found.ttft_vs_full)} of vLLM alone at full size.")  # fmt: skip
+                   f"keeps >= {GIVE_BACK_SHARE:.0%} of vLLM alone's full-size throughput (paired median) is "
+                   f"{found.share:g} ({_mib(found.kv_bytes)}): throughput {_ratio_text(found.tput_vs_full)}, "
+                   f"TTFT p50 {_ratio_text(found.ttft_vs_full)} of vLLM alone at full size; "
+                   f"{'every round' if found.tput_vs_full['min'] >= GIVE_BACK_SHARE else 'not every round'} kept "
+                   f"{GIVE_BACK_SHARE:.0%} there.")  # fmt: skip
     for g in goals(pts, concurrency):
         verdict = {True: "met", False: "NOT met", None: "not judged (fewer than 2 rounds)"}[g["met"]]
         if g["figure"] == "not measured":
@@ -264,9 +261,12 @@ def plots(results: dict, out: Path) -> list[str]:
     top.set_ylabel("output tokens/s")
     top.set_title(f"Throughput and TTFT against the engine's KV cache (c={c})")
     bottom.set_ylabel("TTFT p50 (s)")
-    bottom.set_xlabel("engine KV cache (MiB)")
+    bottom.set_xlabel("engine KV cache, MiB (share of the full size)")
+    sizes = sorted({p.kv_bytes: p.share for p in pts}.items())
     for ax in (top, bottom):
         ax.set_xscale("log", base=2)
+        ax.set_xticks([b / 2**20 for b, _ in sizes], [f"{b / 2**20:,.0f}\n({share:g})" for b, share in sizes])
+        ax.minorticks_off()
     top.grid(True, alpha=0.3)
     top.legend(fontsize=8)
     plotting.save(fig, bottom, out / "engine_memory.png", legend=False)
