@@ -19,11 +19,10 @@ from pathlib import Path
 
 from kvprefetch.bench import plotting
 from kvprefetch.bench.rounds import find_row, paired
+from kvprefetch.sim.engine_memory import GIVE_BACK_SHARE, GOAL_TTFT  # the simulator's projection reads them alike
 
 BASELINE = "recompute"  # vLLM alone
-GIVE_BACK_SHARE = 0.90  # prefetch keeps this share of vLLM alone's throughput at full size
 GOAL_SHARE = 0.25  # the goals are judged at this share of the full size
-GOAL_TTFT = 1.2  # prefetch's TTFT p50 there at most this many times vLLM alone's at full size
 RECOMPUTE_LOSS = 0.30  # vLLM alone there must lose at least this share of its throughput (else: no pressure)
 MODE_ORDER = ("recompute", "prefetch", "dram")
 
@@ -239,7 +238,8 @@ def plots(results: dict, out: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pts = [p for p in points(rows) if p.status == "ok"]
+    every = points(rows)
+    pts = [p for p in every if p.status == "ok"]
     c = max((p.concurrency for p in pts), default=None)
     pts = [p for p in pts if p.concurrency == c]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
@@ -255,7 +255,7 @@ def plots(results: dict, out: Path) -> list[str]:
     if full is not None and full.tok_s:
         top.axhline(GIVE_BACK_SHARE * full.tok_s, color="gray", linestyle=":", linewidth=1,
                     label=f"{GIVE_BACK_SHARE:.0%} of vLLM alone at full size")  # fmt: skip
-    if c is not None and (found := give_back(points(rows), c)) is not None:
+    if c is not None and (found := give_back(every, c)) is not None:
         for ax in (top, bottom):
             ax.axvline(found.kv_bytes / 2**20, color="green", linestyle="--", linewidth=1)
     top.set_ylabel("output tokens/s")

@@ -332,7 +332,7 @@ def default_kv_tokens(opts: BenchOptions, w: BenchWorkload, max_model_len: int) 
     workload's, for every active session's turn. Chat whose reuse is inside the run: every client's conversation
     at the largest level, and at least 8, each with the block vLLM reserves (so 1/8 of it still starts vLLM): the
     size at which vLLM alone keeps all its reuse, the engine-memory sweep's full size."""
-    if w.declared.get("prelude_turns") == 0 and w.declared.get("reuse", True) and opts.agent is None:
+    if opts.agent is None and opts.trace is None and opts.chat.in_run:  # the chat workload, as `build_workload`
         return max(8, max(opts.concurrency)) * (max_model_len + ENGINE_RESERVED_TOKENS)
     heads = max(4, max(opts.concurrency)) if opts.agent is not None else 4
     return default_engine_kv_tokens(w.max_len(), heads)

@@ -88,6 +88,16 @@ class _ModeEngine:
         """What every row of this engine carries besides its mode."""
         return self.size.tags()
 
+    @property
+    def slug(self) -> str:
+        return engine_slug(self.name)
+
+
+def engine_slug(name: str) -> str:
+    """A mode engine's name as its pool, its disk copy, its cell tags and its step logs carry it
+    ('prefetch@0.25' -> 'prefetch-kv0.25')."""
+    return name.replace("@", "-kv")
+
 
 def machine_info() -> dict:
     info: dict[str, Any] = {
@@ -306,7 +316,7 @@ class Bench:
         if not size.fits:
             self._size_unavailable(mode, size)
             return None
-        slug = name.replace("@", "-kv")
+        slug = engine_slug(name)
         me = opened[name] = _ModeEngine(mode, size, name, None, files.pool(slug), files.work / f"disk-{slug}")
         sizing = dram_sizing(plan, pop) if mode == "dram" else pop.sizing
         if mode in CONNECTOR_MODES:
@@ -377,7 +387,7 @@ class Bench:
         self._reset(me.eng, me.name, c)
         if me.mode in CONNECTOR_MODES and me.mode != "dram":
             me.eng.call(P.CoolDram())
-        tag = f"{me.name.replace('@', '-kv')}-c{c}" + (f"-r{round_}" if o.repeats > 1 else "")
+        tag = f"{me.slug}-c{c}" + (f"-r{round_}" if o.repeats > 1 else "")
         self._settle(me.name)
         declared = self.plan.workload.declared  # each round's prompts new to every tier?
         fresh = declared.get("fresh_rounds", not declared.get("reuse", True))
@@ -390,7 +400,7 @@ class Bench:
             self.last_active = (me.name, time.monotonic())
         steps = res.pop("steps", None)
         if round_ == 0:  # the step check replays one round per cell
-            self._write_steps(f"{me.name.replace('@', '-kv')}-c{c}", steps)
+            self._write_steps(f"{me.slug}-c{c}", steps)
         return res, self._agent_row(me.mode, c, res.pop("agent", None))
 
     def _agent_args(self, mode: str) -> dict[str, Any]:
