@@ -105,14 +105,19 @@ def test_a_full_disk_must_show_unless_the_disk_tier_was_at_its_capacity_or_nothi
     r = SoakResult(600, ("disk_full",), disk_capacity_mb=256)
     r.faults = [FaultRecord("disk_full", 100, 130, "x"), FaultRecord("disk_full", 300, 330, "x")]
     r.samples = [Sample(95, 0, 1000, 10, 10, 1, 120.0), Sample(295, 0, 1000, 10, 10, 1, 255.0)]
+    # the injector's readings once the disk is full (101) and just before it is freed (129), between the sampler's
     r.metrics = [MetricSample(99, 0, {"err/disk/no_space": 0, "saved": 10}),
+                 MetricSample(101, 0, {"err/disk/no_space": 0, "saved": 10}),
+                 MetricSample(129, 0, {"err/disk/no_space": 7, "saved": 14}),
                  MetricSample(135, 0, {"err/disk/no_space": 7, "saved": 14})]  # fmt: skip
     assert [r.bites(f) for f in r.faults] == [True, False]
     checks = {name: (ok, detail) for name, ok, detail in r.checks()}
     assert checks["disk_full in /metrics"] == (True, "tier errors disk/no_space per fault: 7, 0 (tier at capacity)")
-    r.metrics[1] = MetricSample(135, 0, {"err/disk/no_space": 0, "saved": 14})  # saved, below capacity: hidden
+    r.metrics[2:] = [MetricSample(129, 0, {"err/disk/no_space": 0, "saved": 14}),
+                     MetricSample(135, 0, {"err/disk/no_space": 0, "saved": 14})]  # saved to a full disk: hidden
     assert not {name: ok for name, ok, _ in r.checks()}["disk_full in /metrics"]
-    r.metrics[1] = MetricSample(135, 0, {"err/disk/no_space": 0, "saved": 10})  # nothing saved: nothing to fail
+    r.metrics[2:] = [MetricSample(129, 0, {"err/disk/no_space": 0, "saved": 10}),
+                     MetricSample(135, 0, {"err/disk/no_space": 0, "saved": 14})]  # saved only once it was freed
     assert not r.bites(r.faults[0])
     checks = {name: (ok, detail) for name, ok, detail in r.checks()}
     assert checks["disk_full in /metrics"] == (False, "tier errors disk/no_space per fault: 0 (nothing saved), 0 (tier "

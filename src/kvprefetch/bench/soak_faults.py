@@ -42,6 +42,7 @@ HEAVY_KINDS = ("engine_kill", *RESTART_KINDS)
 FAULT_KINDS = LIGHT_KINDS + HEAVY_KINDS
 REDIS_DOWN_S = 10.0
 FULL_S = 30.0
+FULL_TAIL_S = 1.0  # a full disk's last /metrics reading comes this long before it is freed
 SECOND_ENGINE_CORE = "1"  # the second engines' model beside vLLM alone
 EARLY_BY_S = 0.45  # the early kinds end by here (share of the run): the second half is one server life
 EARLY_KINDS = (*RESTART_KINDS, "disk_full")  # (a full disk bites only while the disk tier is below its capacity)
@@ -247,12 +248,13 @@ class Injector:
     """Runs one fault to its end and says what it did (one line for summary.json)."""
 
     def __init__(self, node: ServedNode, redis: RedisServer, disk: Path, mount: Path | None, out: Path, seed: int,
-                 prompt_now: Callable[[], str], before_stop: Callable[[], None], full_s: float = FULL_S):  # fmt: skip
-        """`prompt_now`: a conversation's prompt in progress (what a second engine is asked); `before_stop`: called
-        before the server is stopped (the soak reads its counters one last time)."""
+                 prompt_now: Callable[[], str], read_metrics: Callable[[], None], full_s: float = FULL_S):  # fmt: skip
+        """`prompt_now`: a conversation's prompt in progress (what a second engine is asked); `read_metrics`: reads
+        the server's /metrics into the run's samples now (before the server is stopped, its counters one last time;
+        at a full disk's edges, so what was saved while it was full is read from samples inside the fault)."""
         self.node, self.redis, self.disk, self.mount, self.out = node, redis, disk, mount, out
         self.rng = random.Random(seed)
-        self.prompt_now, self.before_stop, self.full_s = prompt_now, before_stop, full_s
+        self.prompt_now, self.read_metrics, self.full_s = prompt_now, read_metrics, full_s
         self.done: dict[str, int] = {}
         self.engines: list[OpenAIServer] = []  # the second engines, one per engine_kill (`start_engines`)
 
@@ -298,9 +300,15 @@ class Injector:
         size = 0
         try:
             with open(filler, "wb", buffering=0) as f:
-                while time.monotonic() < deadline:
-                    size += top_up(f)
+                size += top_up(f)
+                self.read_metrics()  # full from here: the chunks saved from now on meet a full disk
+                while time.monotonic() < deadline - FULL_TAIL_S:
                     time.sleep(0.2)
+                    size += top_up(f)
+                self.read_metrics()  # (the chunks saved up to here have FULL_TAIL_S to reach the full disk)
+                while time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    size += top_up(f)
         finally:
             filler.unlink(missing_ok=True)
         return f"disk tier's filesystem kept full for {self.full_s:.0f} s (filler grew to {size / 2**20:.0f} MiB)"
@@ -326,13 +334,13 @@ class Injector:
 
     def server_term(self, n: int) -> str:
         group = n % 2 == 1
-        self.before_stop()
+        self.read_metrics()
         took, left = self.node.terminate(group)
         return self._restart(f"SIGTERM to the server's {'process group' if group else 'main process'}: exited in "
                              f"{took:.1f} s ({left} vLLM shm segments left)")  # fmt: skip
 
     def server_kill(self, n: int) -> str:
-        self.before_stop()
+        self.read_metrics()
         left = self.node.kill()
         return self._restart(f"SIGKILL to the server's process group ({left} vLLM shm segments left, unlinked)")
 

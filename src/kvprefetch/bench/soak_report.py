@@ -156,13 +156,14 @@ class SoakResult:
         return "nothing saved" if self.saved_during(f) == 0 else None
 
     def saved_during(self, f: FaultRecord) -> float | None:
-        """Chunks the workers saved from the last /metrics sample at or before the fault's start to the first at or
-        after its end, within one server life; None where the samples cannot tell."""
-        start = [m for m in self.metrics if m.t <= f.start_s]
-        end = [m for m in self.metrics if m.t >= f.end_s]
-        if not start or not end or start[-1].life != end[0].life or "saved" not in end[0].values:
+        """Chunks the workers saved between the first /metrics sample inside the fault and the last, within one
+        server life (the injector reads /metrics once the disk is full and just before it frees it); None where
+        the samples cannot tell. Samples outside the fault would count chunks saved to a disk with room: a CI run's
+        fault of 8 s, read from samples 5 s apart, counted saves and rightly showed no error."""
+        inside = [m for m in self.metrics if f.start_s <= m.t <= f.end_s]
+        if len(inside) < 2 or inside[0].life != inside[-1].life or "saved" not in inside[-1].values:
             return None
-        return end[0].values["saved"] - start[-1].values.get("saved", 0.0)
+        return inside[-1].values["saved"] - inside[0].values.get("saved", 0.0)
 
     def shown(self, f: FaultRecord) -> float:
         """The tier errors a fault of a visible kind moved in /metrics."""

@@ -192,7 +192,7 @@ class Soak:
         rng = random.Random(self.seed + 1)
         injector = Injector(node, redis, self.disk, self.mount, self.out, self.seed,
                             prompt_now=lambda: rng.choice(self.conversations).text,
-                            before_stop=lambda: self._read_metrics(node), full_s=self.full_s)  # fmt: skip
+                            read_metrics=lambda: self._read_metrics(node), full_s=self.full_s)  # fmt: skip
         ref = None
         try:
             node.start()
