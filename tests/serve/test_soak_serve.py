@@ -1,7 +1,7 @@
 """The serving soak's CI cut (issue 40): `kvprefetch soak-serve` for 90 s with the faults that neither restart the
 server nor add an engine (`--faults light`; `make soak-serve` runs every kind for 900 s): `kvprefetch serve` with a
 DRAM pool, a disk tier on a tmpfs of its own and a real Redis under a multi-turn load; redis-server killed and
-restarted, chunk files of the conversations in progress damaged, `kvprefetch status --gc`, the disk tier's
+restarted, the chunk files the node writes next damaged as they land, `kvprefetch status --gc`, the disk tier's
 filesystem filled and freed; every answer compared with vLLM alone's for the same prompt.
 
 Asserted: no request failed, no answer differs, every fault kind injected twice, each fault that can show in

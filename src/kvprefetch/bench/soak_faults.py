@@ -5,7 +5,7 @@ Every fault runs to its end before the next one starts, so each one's effects ca
 /metrics in its window). Kinds:
 
 * ``redis_kill``: redis-server SIGKILLed, restarted empty 10 s later (the shared tier: misses, never errors);
-* ``damage``: chunk files of the conversations in progress damaged (a byte flipped, cut short, deleted);
+* ``damage``: the next chunk files the node writes damaged as they land (a byte flipped, cut short, deleted);
 * ``gc``: ``kvprefetch status --gc`` while the server runs;
 * ``disk_full``: the disk tier's filesystem (a tmpfs of its own) filled for `full_s`, then freed;
 * ``engine_kill``: a second engine (``kvprefetch serve`` on the same DRAM pool, disk and redis) started, made to
@@ -42,6 +42,8 @@ HEAVY_KINDS = ("engine_kill", *RESTART_KINDS)
 FAULT_KINDS = LIGHT_KINDS + HEAVY_KINDS
 REDIS_DOWN_S = 10.0
 FULL_S = 30.0
+DAMAGE_WAIT_S = 30.0  # a damage fault waits this long at most for the chunk files it damages
+DAMAGE_POLL_S = 0.1  # how often it looks for new ones (a file is read back seconds after it lands)
 FULL_TAIL_S = 1.0  # a full disk's last /metrics reading comes this long before it is freed
 SECOND_ENGINE_CORE = "1"  # the second engines' model beside vLLM alone
 EARLY_BY_S = 0.45  # the early kinds end by here (share of the run): the second half is one server life
@@ -216,31 +218,43 @@ def top_up(f: BinaryIO) -> int:
 
 
 # ---- damage -------------------------------------------------------------------------------------------------------
-def damage(disk: Path, rng: random.Random, n: int = 8, among: int = 32) -> list[str]:
-    """Flip a byte in, cut short or delete n of the `among` newest chunk files: those of the conversations in
-    progress, which their next turns read (while the server may be reading them)."""
-    dated = []
-    for f in disk.rglob("*.kv"):
-        with contextlib.suppress(FileNotFoundError):
-            dated.append((f.stat().st_mtime, f))
-    newest = [f for _, f in sorted(dated, reverse=True)[:among]]
-    done = []
-    for f in rng.sample(newest, min(n, len(newest))):
-        how = rng.choice(("flip", "truncate", "delete"))
-        with contextlib.suppress(FileNotFoundError):
-            if how == "delete":
-                f.unlink()
-            elif how == "truncate":
-                with open(f, "r+b") as fh:
-                    fh.truncate(max(0, f.stat().st_size // 2))
-            else:
-                with open(f, "r+b") as fh:
-                    fh.seek(rng.randrange(max(1, f.stat().st_size)))
-                    b = fh.read(1)
-                    fh.seek(-len(b), 1)
-                    fh.write(bytes([(b[0] if b else 0) ^ 0xFF]))
-        done.append(f"{how} {f.name[:12]}")
+def damage(disk: Path, rng: random.Random, n: int = 8, wait_s: float = DAMAGE_WAIT_S) -> list[str]:
+    """Flip a byte in, cut short or delete the next n chunk files the node writes, each as it lands (within
+    `wait_s`): chunks of the conversations in progress, which their next turns read back from disk (while the server
+    may be reading them), as a device that returns bad data for what it just wrote would.
+
+    The files the node writes next, not the newest ones already there: with the soak's small DRAM tier, a chunk
+    file is read back once, a few seconds after it is written, and rarely again (in a 90 s run, of the 28 files
+    on disk at 11 s only the 3 newest were read after it, of 81 at 35 s the 11 newest), so a CI run's two faults of
+    8 files drawn from the 32 newest showed nothing."""
+    seen = set(disk.rglob("*.kv"))
+    deadline = time.monotonic() + wait_s
+    done: list[str] = []
+    while len(done) < n and time.monotonic() < deadline:
+        for f in sorted(set(disk.rglob("*.kv")) - seen):
+            seen.add(f)
+            if len(done) < n:
+                done.append(f"{damage_file(f, rng)} {f.name[:12]}")
+        time.sleep(DAMAGE_POLL_S)
     return done
+
+
+def damage_file(f: Path, rng: random.Random) -> str:
+    """Delete f, cut it short or flip one of its bytes (drawn by rng); how."""
+    how = rng.choice(("flip", "truncate", "delete"))
+    with contextlib.suppress(FileNotFoundError):
+        if how == "delete":
+            f.unlink()
+        elif how == "truncate":
+            with open(f, "r+b") as fh:
+                fh.truncate(max(0, f.stat().st_size // 2))
+        else:
+            with open(f, "r+b") as fh:
+                fh.seek(rng.randrange(max(1, f.stat().st_size)))
+                b = fh.read(1)
+                fh.seek(-len(b), 1)
+                fh.write(bytes([(b[0] if b else 0) ^ 0xFF]))
+    return how
 
 
 # ---- the injector -------------------------------------------------------------------------------------------------
@@ -284,7 +298,7 @@ class Injector:
         return f"redis down {REDIS_DOWN_S:.0f} s"
 
     def damage(self, n: int) -> str:
-        return ", ".join(damage(self.disk, self.rng)) or "no chunk file yet"
+        return ", ".join(damage(self.disk, self.rng)) or f"no chunk file written in {DAMAGE_WAIT_S:.0f} s"
 
     def gc(self, n: int) -> str:
         out = subprocess.run([sys.executable, "-m", "kvprefetch.cli", "status", "--gc"], capture_output=True,
