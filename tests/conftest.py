@@ -1,10 +1,15 @@
 """The suite's engine processes are forked from one zygote (`kvprefetch.bench.zygote`) that imported torch and
 vLLM once, instead of each importing them again (~7 s of every ~8 s start, ~35 starts). Everything else about an
-engine is as in a deployment; `KVPREFETCH_TEST_ZYGOTE=0` starts each one as a new process instead."""
+engine is as in a deployment; `KVPREFETCH_TEST_ZYGOTE=0` starts each one as a new process instead.
+
+vLLM names its processes' ZeroMQ sockets in VLLM_RPC_BASE_PATH (/tmp by default) and leaves those of every engine
+killed, as the suite's faults kill many (some 300 sockets an hour of tests were left in /tmp): the run gives them a
+folder of its own, removed at its end."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -13,6 +18,22 @@ from pathlib import Path
 import pytest
 
 from kvprefetch.bench.client import ZYGOTE_ENV
+
+RPC_ENV = "VLLM_RPC_BASE_PATH"
+_rpc_key = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Before any test module imports vLLM (which may cache its environment): the run's own socket folder."""
+    if RPC_ENV not in os.environ:
+        config.stash[_rpc_key] = os.environ[RPC_ENV] = tempfile.mkdtemp(prefix="kvp-vllm-rpc-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = config.stash.get(_rpc_key, None)
+    if folder is not None:
+        os.environ.pop(RPC_ENV, None)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -38,3 +59,4 @@ def engine_zygote(request: pytest.FixtureRequest):
         proc.kill()
         proc.wait()
         log.close()
+        shutil.rmtree(folder, ignore_errors=True)

@@ -14,6 +14,7 @@ it is one rank of a tensor-parallel group (one process per rank, the same "init"
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -22,6 +23,14 @@ import time
 from pathlib import Path
 
 MARK = "@@LOAD "
+
+
+def _own_rendezvous() -> str:
+    """A world of one's rendezvous file (torch's FileStore), removed when this process exits (one was left in /tmp
+    per load)."""
+    path = tempfile.mktemp(prefix="kvp-dist-")
+    atexit.register(lambda: Path(path).unlink(missing_ok=True))
+    return f"file://{path}"
 
 
 def load_once(model: str, load_format: str, extra: dict | None = None, hashes: bool = False,
@@ -43,7 +52,7 @@ def load_once(model: str, load_format: str, extra: dict | None = None, hashes: b
     with set_current_vllm_config(cfg):
         if not model_parallel_is_initialized():
             rank = tp["rank"] if tp else 0
-            rendezvous = tp["init"] if tp else f"file://{tempfile.mktemp(prefix='kvp-dist-')}"
+            rendezvous = tp["init"] if tp else _own_rendezvous()
             os.environ.setdefault("VLLM_DIST_IDENT", os.path.basename(rendezvous))  # as vLLM's CPU worker sets it
             init_distributed_environment(world_size=size, rank=rank, local_rank=rank,
                                          distributed_init_method=rendezvous, backend="gloo")  # fmt: skip
