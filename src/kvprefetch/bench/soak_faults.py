@@ -217,6 +217,16 @@ def top_up(f: BinaryIO) -> int:
     return n
 
 
+def keep_full(f: BinaryIO, until: float) -> int:
+    """Top f's filesystem up every 0.2 s until `until` (time.monotonic()), taking what the disk tier frees by
+    evicting; the bytes written."""
+    n = 0
+    while time.monotonic() < until:
+        time.sleep(0.2)
+        n += top_up(f)
+    return n
+
+
 # ---- damage -------------------------------------------------------------------------------------------------------
 def damage(disk: Path, rng: random.Random, n: int = 8, wait_s: float = DAMAGE_WAIT_S) -> list[str]:
     """Flip a byte in, cut short or delete the next n chunk files the node writes, each as it lands (within
@@ -316,13 +326,9 @@ class Injector:
             with open(filler, "wb", buffering=0) as f:
                 size += top_up(f)
                 self.read_metrics()  # full from here: the chunks saved from now on meet a full disk
-                while time.monotonic() < deadline - FULL_TAIL_S:
-                    time.sleep(0.2)
-                    size += top_up(f)
+                size += keep_full(f, deadline - FULL_TAIL_S)
                 self.read_metrics()  # (the chunks saved up to here have FULL_TAIL_S to reach the full disk)
-                while time.monotonic() < deadline:
-                    time.sleep(0.2)
-                    size += top_up(f)
+                size += keep_full(f, deadline)
         finally:
             filler.unlink(missing_ok=True)
         return f"disk tier's filesystem kept full for {self.full_s:.0f} s (filler grew to {size / 2**20:.0f} MiB)"

@@ -110,9 +110,13 @@ class Projection:
         full = self.full()
         if full is None:
             return None
-        keeps = [p for p in self.points if p.policy == Policy.PREFETCH.value and p.vs(full)[0] >= GIVE_BACK_SHARE
-                 and (ttft_within is None or p.vs(full)[1] <= ttft_within)]  # fmt: skip
-        return min(keeps, key=lambda p: p.share, default=None)
+
+        def keeps(p: SharePoint) -> bool:
+            tput, ttft = p.vs(full)
+            return tput >= GIVE_BACK_SHARE and (ttft_within is None or ttft <= ttft_within)
+
+        ours = [p for p in self.points if p.policy == Policy.PREFETCH.value]
+        return min(filter(keeps, ours), key=lambda p: p.share, default=None)
 
     def to_json(self) -> dict:
         found, tight = self.give_back(), self.give_back(GOAL_TTFT)
