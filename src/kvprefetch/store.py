@@ -636,8 +636,9 @@ class TieredStore:
         def write() -> bool:
             try:
                 if disk.contains(key):
-                    return False
-                disk.write(key, image)
+                    return False  # committed by another process: no I/O (no op, no bytes in the I/O stats)
+                with self.io.transfer():
+                    disk.write(key, image)
                 crash_point("store.writeback.written")
                 return True
             except OSError as err:
@@ -648,7 +649,7 @@ class TieredStore:
                 if slot is not None:
                     self.dram.release(slot)
 
-        return self.io.submit(Tier.DISK.value, IOClass.WRITEBACK, write, nbytes=self.image_bytes)
+        return self.io.submit(Tier.DISK.value, IOClass.WRITEBACK, write, nbytes=self.image_bytes, paced_inside=True)
 
     def _submit_remote_write(self, key: bytes, slot: int) -> IOTicket:
         """Copy a pinned slot's image to the remote tier, then release the pin. Failure = not shared, no error."""

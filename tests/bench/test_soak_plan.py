@@ -96,32 +96,35 @@ def test_log_lines_and_metrics_are_read_as_the_soak_reads_them():
               ("vllm:prompt_tokens_by_source_total", (("source", "local_cache_hit"),)): 30.0,
               ("vllm:kvprefetch_hit_tokens_total", (("tier", "disk"),)): 20.0,
               ("vllm:kvprefetch_tier_errors_total", (("kind", "corrupt"), ("tier", "disk"))): 1.0}  # fmt: skip
-    parsed[("vllm:kvprefetch_worker_saved_chunks_total", ())] = 6.0
+    parsed[("vllm:kvprefetch_worker_saved_chunks_total", ())] = 6.0  # saved: not all of it written to disk
+    parsed[("vllm:kvprefetch_io_ops_total", (("cls", "writeback"), ("tier", "disk")))] = 4.0
+    parsed[("vllm:kvprefetch_io_ops_total", (("cls", "prefetch"), ("tier", "disk")))] = 9.0
+    parsed[("vllm:kvprefetch_io_ops_total", (("cls", "writeback"), ("tier", "remote")))] = 5.0
     assert soak_metrics(parsed) == {"prompt": 100.0, "hit/engine": 30.0, "hit/disk": 20.0, "err/disk/corrupt": 1.0,
-                                    "saved": 6.0}  # fmt: skip
+                                    "written": 4.0}  # fmt: skip
 
 
-def test_a_full_disk_must_show_unless_the_disk_tier_was_at_its_capacity_or_nothing_was_saved():
+def test_a_full_disk_must_show_unless_the_disk_tier_was_at_its_capacity_or_nothing_was_written():
     r = SoakResult(600, ("disk_full",), disk_capacity_mb=256)
     r.faults = [FaultRecord("disk_full", 100, 130, "x"), FaultRecord("disk_full", 300, 330, "x")]
     r.samples = [Sample(95, 0, 1000, 10, 10, 1, 120.0), Sample(295, 0, 1000, 10, 10, 1, 255.0)]
     # the injector's readings once the disk is full (101) and just before it is freed (129), between the sampler's
-    r.metrics = [MetricSample(99, 0, {"err/disk/no_space": 0, "saved": 10}),
-                 MetricSample(101, 0, {"err/disk/no_space": 0, "saved": 10}),
-                 MetricSample(129, 0, {"err/disk/no_space": 7, "saved": 14}),
-                 MetricSample(135, 0, {"err/disk/no_space": 7, "saved": 14})]  # fmt: skip
+    r.metrics = [MetricSample(99, 0, {"err/disk/no_space": 0, "written": 10}),
+                 MetricSample(101, 0, {"err/disk/no_space": 0, "written": 10}),
+                 MetricSample(129, 0, {"err/disk/no_space": 7, "written": 14}),
+                 MetricSample(135, 0, {"err/disk/no_space": 7, "written": 14})]  # fmt: skip
     assert [r.bites(f) for f in r.faults] == [True, False]
     checks = {name: (ok, detail) for name, ok, detail in r.checks()}
     assert checks["disk_full in /metrics"] == (True, "tier errors disk/no_space per fault: 7, 0 (tier at capacity)")
-    r.metrics[2:] = [MetricSample(129, 0, {"err/disk/no_space": 0, "saved": 14}),
-                     MetricSample(135, 0, {"err/disk/no_space": 0, "saved": 14})]  # saved to a full disk: hidden
+    r.metrics[2:] = [MetricSample(129, 0, {"err/disk/no_space": 0, "written": 14}),
+                     MetricSample(135, 0, {"err/disk/no_space": 0, "written": 14})]  # written to a full disk: hidden
     assert not {name: ok for name, ok, _ in r.checks()}["disk_full in /metrics"]
-    r.metrics[2:] = [MetricSample(129, 0, {"err/disk/no_space": 0, "saved": 10}),
-                     MetricSample(135, 0, {"err/disk/no_space": 0, "saved": 14})]  # saved only once it was freed
+    r.metrics[2:] = [MetricSample(129, 0, {"err/disk/no_space": 0, "written": 10}),
+                     MetricSample(135, 0, {"err/disk/no_space": 0, "written": 14})]  # written only once it was freed
     assert not r.bites(r.faults[0])
     checks = {name: (ok, detail) for name, ok, detail in r.checks()}
-    assert checks["disk_full in /metrics"] == (False, "tier errors disk/no_space per fault: 0 (nothing saved), 0 (tier "
-                                               "at capacity)")  # fmt: skip
+    assert checks["disk_full in /metrics"] == (False, "tier errors disk/no_space per fault: 0 (nothing written), "
+                                               "0 (tier at capacity)")  # fmt: skip
 
 
 def test_a_damaged_file_shows_when_it_is_first_read_even_during_a_later_fault():

@@ -84,3 +84,16 @@ def test_a_read_that_joins_another_processs_read_waits_only_for_that_read_and_mo
     image = scheduler.image_bytes
     assert _disk_reads(scheduler) == (image, 0)
     assert _disk_reads(worker) == (0, 1)
+
+
+def test_a_chunk_put_again_while_on_disk_is_not_written_twice_nor_counted_as_a_disk_write(open_store, keyer):
+    """A chunk the engine computed anyway (DRAM had evicted it; disk holds it) is put again: into DRAM, and its
+    write-back finds the file committed and writes nothing. The I/O stats count the disk writes that happened,
+    once per chunk: a soak judging a full disk from them must not see a write where none reached the disk."""
+    store, keys = _evicted_store(open_store, keyer, 6)
+    mtimes = [store.disk.path_of(k).stat().st_mtime_ns for k in keys]
+    store.put(keys, [chunk_payload(k) for k in keys]).result(30)
+    assert [store.disk.path_of(k).stat().st_mtime_ns for k in keys] == mtimes
+    wb = store.stats()["io"]["disk/writeback"]
+    assert (wb["ops"], wb["bytes"], wb["errors"]) == (len(keys), len(keys) * store.image_bytes, 0)
+    assert wb["joined"] == len(keys)

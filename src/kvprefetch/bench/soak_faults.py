@@ -172,8 +172,8 @@ def _wait_group_gone(pgid: int, timeout: float = 30) -> None:
 
 
 def soak_metrics(m: dict) -> dict[str, float]:
-    """/metrics (parsed) as the soak's counters: prompt tokens, hit tokens per tier, tier errors per kind, chunks
-    the workers saved into the store."""
+    """/metrics (parsed) as the soak's counters: prompt tokens, hit tokens per tier, tier errors per kind, chunk
+    writes to the disk tier (failed ones included; a chunk found already there is no write)."""
     out: dict[str, float] = {"prompt": 0.0}
     for (name, labels), v in m.items():
         lab = dict(labels)
@@ -186,8 +186,8 @@ def soak_metrics(m: dict) -> dict[str, float]:
         elif name == "vllm:kvprefetch_tier_errors_total":
             key = f"err/{lab['tier']}/{lab['kind']}"
             out[key] = out.get(key, 0.0) + v
-        elif name == "vllm:kvprefetch_worker_saved_chunks_total":
-            out["saved"] = out.get("saved", 0.0) + v
+        elif name == "vllm:kvprefetch_io_ops_total" and (lab.get("tier"), lab.get("cls")) == ("disk", "writeback"):
+            out["written"] = out.get("written", 0.0) + v
     return out
 
 
@@ -275,7 +275,7 @@ class Injector:
                  prompt_now: Callable[[], str], read_metrics: Callable[[], None], full_s: float = FULL_S):  # fmt: skip
         """`prompt_now`: a conversation's prompt in progress (what a second engine is asked); `read_metrics`: reads
         the server's /metrics into the run's samples now (before the server is stopped, its counters one last time;
-        at a full disk's edges, so what was saved while it was full is read from samples inside the fault)."""
+        at a full disk's edges, so the chunk writes made while it was full are read from samples inside it)."""
         self.node, self.redis, self.disk, self.mount, self.out = node, redis, disk, mount, out
         self.rng = random.Random(seed)
         self.prompt_now, self.read_metrics, self.full_s = prompt_now, read_metrics, full_s
@@ -325,9 +325,9 @@ class Injector:
         try:
             with open(filler, "wb", buffering=0) as f:
                 size += top_up(f)
-                self.read_metrics()  # full from here: the chunks saved from now on meet a full disk
+                self.read_metrics()  # full from here: the chunk writes from now on meet a full disk
                 size += keep_full(f, deadline - FULL_TAIL_S)
-                self.read_metrics()  # (the chunks saved up to here have FULL_TAIL_S to reach the full disk)
+                self.read_metrics()  # (writes that failed up to here have FULL_TAIL_S to be tallied)
                 size += keep_full(f, deadline)
         finally:
             filler.unlink(missing_ok=True)
