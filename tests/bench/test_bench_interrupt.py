@@ -1,12 +1,15 @@
-"""`kvprefetch bench` stopped with SIGTERM cleans up as on a normal exit: its engines end, its pools leave /dev/shm."""
+"""`kvprefetch bench` stopped with SIGTERM cleans up as on a normal exit: its engines end, its pools leave /dev/shm,
+its engines' vLLM sockets leave the temp folder."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,11 +57,14 @@ def running(pid: int) -> bool:
         return False
 
 
-def test_a_bench_stopped_with_sigterm_leaves_no_pool_and_no_engine(tmp_path):
+def test_a_bench_stopped_with_sigterm_leaves_no_pool_and_no_engine(tmp_path, request):
     cmd = [sys.executable, "-m", "kvprefetch.cli", "bench", "--mode", "prefetch", "--concurrency", "1",
            "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
-    # as a user runs it: its engines its own children (not forked by the test suite's zygote)
-    env = {k: v for k, v in os.environ.items() if k != ZYGOTE_ENV}
+    # as a user runs it: its engines its own children (not forked by the test suite's zygote), vLLM's sockets in the
+    # temp folder (vLLM's default; here one of the test's own, short: a socket's path is at most 107 bytes)
+    tmp = Path(tempfile.mkdtemp(prefix="kvpt-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
+    env = {k: v for k, v in os.environ.items() if k not in (ZYGOTE_ENV, "VLLM_RPC_BASE_PATH")} | {"TMPDIR": str(tmp)}
     shm_before = set(Path("/dev/shm").glob("psm_*"))
     with open(tmp_path / "bench.log", "w") as log:
         bench = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -72,6 +78,7 @@ def test_a_bench_stopped_with_sigterm_leaves_no_pool_and_no_engine(tmp_path):
         assert pools, f"the bench never mapped a pool; log:\n{(tmp_path / 'bench.log').read_text()[-3000:]}"
         assert all(p.parent == SHM_DIR for p in pools)
         engines = descendants(bench.pid)
+        assert [s for s in tmp.glob("kvp-rpc-*/*") if s.is_socket()], "the engines' sockets are in its folder"
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(timeout=180) == 128 + signal.SIGTERM
     finally:
@@ -84,3 +91,5 @@ def test_a_bench_stopped_with_sigterm_leaves_no_pool_and_no_engine(tmp_path):
     assert not left, f"engine processes outlived the bench: {left}"
     # vLLM's message queues of the engines it killed (unlinked only by an executor's shutdown): ~400 MB each
     assert not set(Path("/dev/shm").glob("psm_*")) - shm_before, "the killed engines' shared memory is freed"
+    assert not [s for s in tmp.rglob("*") if s.is_socket()] and not list(tmp.glob("kvp-rpc-*")), \
+        "nor are vLLM's sockets left in the temp folder"
