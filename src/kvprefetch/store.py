@@ -636,7 +636,7 @@ class TieredStore:
         def write() -> bool:
             try:
                 if disk.contains(key):
-                    return False  # committed by another process: no I/O (no op, no bytes in the I/O stats)
+                    return False  # already committed (put again, or by another process): no I/O in the stats
                 with self.io.transfer():
                     disk.write(key, image)
                 crash_point("store.writeback.written")
