@@ -81,9 +81,13 @@ def test_a_bench_stopped_with_sigterm_leaves_no_pool_and_no_engine(tmp_path, req
         assert [s for s in tmp.glob("kvp-rpc-*/*") if s.is_socket()], "the engines' sockets are in its folder"
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(timeout=180) == 128 + signal.SIGTERM
-    finally:
+    finally:  # a failed assertion above stops the bench as the test would have (SIGKILL would leave its engines)
         if bench.poll() is None:
-            bench.kill()
+            bench.terminate()
+            try:
+                bench.wait(timeout=180)
+            except subprocess.TimeoutExpired:
+                bench.kill()
     assert not [p for p in pools if p.exists()], "the bench's pools are removed"
     run = pools.pop().name.split("-")[2]
     assert not list(SHM_DIR.glob(f"kvprefetch-kvb-{run}-*")), "and so is every other pool of that run"
