@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from kvprefetch.bench.client import ZYGOTE_ENV
+from kvprefetch.bench.client import RPC_ENV, ZYGOTE_ENV, own_socket_folder
 
-RPC_ENV = "VLLM_RPC_BASE_PATH"
 _rpc_key = pytest.StashKey[str]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Before any test module imports vLLM (which may cache its environment): the run's own socket folder."""
-    if RPC_ENV not in os.environ:
-        config.stash[_rpc_key] = os.environ[RPC_ENV] = tempfile.mkdtemp(prefix="kvp-vllm-rpc-")
+    folder = own_socket_folder()
+    if folder is not None:
+        config.stash[_rpc_key] = folder
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import sys
-import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -20,25 +18,21 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 console = Console()
 
 
-RPC_ENV = "VLLM_RPC_BASE_PATH"
 # The commands that start (and kill) vLLM engines of their own; `serve` is a user's server and keeps vLLM's folder.
 ENGINE_COMMANDS = frozenset({"bench", "bench-serve", "soak-serve", "loadbench"})
-SOCKET_PATH_MAX = 107 - 37  # a UNIX socket's path is at most 107 bytes; vLLM names its sockets "/<uuid4>" in the folder
 
 
 @app.callback()
 def _engine_sockets(ctx: typer.Context) -> None:
-    """A command that starts vLLM engines gives their ZeroMQ sockets a folder of its own, removed when it ends:
-    vLLM names them in VLLM_RPC_BASE_PATH (/tmp by default) and leaves those of every engine killed or stopped
-    uncleanly (one `make bench` left 32 in /tmp, the 900 s soak 56). One set by the caller is kept."""
-    if ctx.invoked_subcommand not in ENGINE_COMMANDS or RPC_ENV in os.environ:
+    """A command that starts vLLM engines gives their ZeroMQ sockets a folder of its own, removed when it ends
+    (`kvprefetch.bench.client.own_socket_folder`)."""
+    if ctx.invoked_subcommand not in ENGINE_COMMANDS:
         return
-    folder = tempfile.mkdtemp(prefix="kvp-rpc-")
-    if len(os.fsencode(folder)) > SOCKET_PATH_MAX:  # a long TMPDIR: vLLM's own folder, or no engine could start
-        os.rmdir(folder)
-        return
-    os.environ[RPC_ENV] = folder
-    ctx.call_on_close(lambda: shutil.rmtree(folder, ignore_errors=True))
+    from kvprefetch.bench.client import own_socket_folder
+
+    folder = own_socket_folder()
+    if folder is not None:
+        ctx.call_on_close(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 
 @app.command()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvprefetch.bench.client import ZYGOTE_ENV
+from kvprefetch.bench.client import RPC_ENV, ZYGOTE_ENV
 from kvprefetch.tiers.dram import SHM_DIR, pid_alive
 
 pytest.importorskip("vllm")
@@ -64,7 +64,7 @@ def test_a_bench_stopped_with_sigterm_leaves_no_pool_and_no_engine(tmp_path, req
     # temp folder (vLLM's default; here one of the test's own, short: a socket's path is at most 107 bytes)
     tmp = Path(tempfile.mkdtemp(prefix="kvpt-", dir="/tmp"))
     request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
-    env = {k: v for k, v in os.environ.items() if k not in (ZYGOTE_ENV, "VLLM_RPC_BASE_PATH")} | {"TMPDIR": str(tmp)}
+    env = {k: v for k, v in os.environ.items() if k not in (ZYGOTE_ENV, RPC_ENV)} | {"TMPDIR": str(tmp)}
     shm_before = set(Path("/dev/shm").glob("psm_*"))
     with open(tmp_path / "bench.log", "w") as log:
         bench = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

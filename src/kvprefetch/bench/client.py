@@ -10,6 +10,7 @@ import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,29 @@ import psutil
 from kvprefetch.bench import protocol as P
 from kvprefetch.bench.zygote import ENV as ZYGOTE_ENV  # its socket: engines forked from it
 
+RPC_ENV = "VLLM_RPC_BASE_PATH"
+SOCKET_PATH_MAX = 107 - 37  # a UNIX socket's path is at most 107 bytes; vLLM names its sockets "/<uuid4>" in the folder
+
 
 class EngineError(RuntimeError):
     pass
+
+
+def own_socket_folder() -> str | None:
+    """Give the vLLM engines this process starts from now on a ZeroMQ socket folder of their own (in the
+    environment they inherit); the folder, for the caller to remove when they are gone, or None where the caller set
+    one or the temp folder's path is too long for a socket under it (vLLM's default is left: no engine could start).
+
+    vLLM names its sockets in VLLM_RPC_BASE_PATH (/tmp by default) and leaves those of every engine killed or
+    stopped uncleanly (one `make bench` left 32 in /tmp, the 900 s soak 56, an hour of tests some 300)."""
+    if RPC_ENV in os.environ:
+        return None
+    folder = tempfile.mkdtemp(prefix="kvp-rpc-")
+    if len(os.fsencode(folder)) > SOCKET_PATH_MAX:
+        os.rmdir(folder)
+        return None
+    os.environ[RPC_ENV] = folder
+    return folder
 
 
 def shm_mapped_by_group(pgid: int) -> set[Path]:
