@@ -161,7 +161,8 @@ class SoakResult:
         """Chunk writes to the disk tier that ended between the first /metrics sample inside the fault and the
         last, within one server life (the injector reads /metrics once the disk is full and just before it frees
         it); None where the samples cannot tell. Samples outside the fault would count writes to a disk with room:
-        a CI run's fault of 8 s, read from samples 5 s apart, counted saves and rightly showed no error."""
+        a CI run's fault of 8 s, read from samples 5 s apart, counted chunks saved before it and rightly showed no
+        error."""
         inside = [m for m in self.metrics if f.start_s <= m.t <= f.end_s]
         if len(inside) < 2 or inside[0].life != inside[-1].life or "written" not in inside[-1].values:
             return None
