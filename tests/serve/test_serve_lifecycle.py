@@ -1,5 +1,6 @@
-"""`kvprefetch serve` as a user runs it: its warm-up API on vLLM's port, and however it is stopped, it leaves no DRAM
-pool (keep_idle_s 0), no process, and every chunk it saved on disk.
+"""`kvprefetch serve` as a user runs it: its warm-up API on vLLM's port (behind vLLM's `--api-key`, under each
+request's identity: a LoRA adapter, a cache salt), and however it is stopped, it leaves no DRAM pool (keep_idle_s
+0), no process, and every chunk it saved on disk.
 
 Three servers (each in its own session, as a service or a terminal runs it) serve one completion each and are
 stopped three ways: SIGINT to the process group (Ctrl-C), SIGTERM to the process group (`systemctl stop`'s
@@ -29,17 +30,23 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvprefetch.bench.server import free_port, metric_sum, parse_metrics, tiny_model_dir
+from tests.adapters import make_adapter
+
+from kvprefetch.bench.server import TINY_MODEL, free_port, metric_sum, parse_metrics, tiny_model_dir
 from kvprefetch.config import default_cache_dir
 from kvprefetch.tiers.dram import SHM_DIR
 
 pytestmark = pytest.mark.slow
 
 WAYS = ("sigint-group", "sigterm-group", "sigterm-engine-core")
+TINY_CONFIG = json.loads((TINY_MODEL / "config.json").read_text())
 LEFT_GRACE_S = 60  # how long the processes a stopped main process leaves behind may take to finish (a loaded CI)
 PROMPT = " ".join(f"w{5 + i % 4000}" for i in range(700))
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # (the tiny model has none of its own)
 MESSAGES = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": "w7 w8 w9"}]
+KEY = "sk-kvprefetch-test"  # the warm-up API's server runs with --api-key (its other servers without)
+SALTED = " ".join(f"w{900 + i % 3000}" for i in range(600))  # computed under cache_salt alice, then warmed
+ADAPTED = " ".join(f"w{1700 + i % 2000}" for i in range(600))  # computed with the adapter "ad", then warmed
 
 
 @dataclass
@@ -60,10 +67,10 @@ def _get(url: str, timeout: float = 5) -> bytes:
         return r.read()
 
 
-def _call(port: int, method: str, path: str, body: object = None) -> tuple[int, dict]:
+def _call(port: int, method: str, path: str, body: object = None, key: str | None = KEY) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data, {"Content-Type": "application/json"},
-                                 method=method)  # fmt: skip
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data, headers, method=method)
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -91,12 +98,33 @@ def _use_warm_api(port: int) -> dict[str, tuple[int, dict]]:
     api["bad_ttl"] = _call(port, "POST", "/v1/kvprefetch/warm", {"model": "tiny", "prompt": "w5", "ttl_s": -1})
     api["unknown_id"] = _call(port, "GET", "/v1/kvprefetch/warm/warm-0000")
     api["wrong_method"] = _call(port, "GET", "/v1/kvprefetch/warm")
+    # vLLM's --api-key: every route of the warm-up API refuses what /v1/completions refuses
+    warm = {"model": "tiny", "prompt": PROMPT}
+    api["no_key"] = _call(port, "POST", "/v1/kvprefetch/warm", warm, key=None)
+    api["wrong_key"] = _call(port, "POST", "/v1/kvprefetch/warm", warm, key="sk-wrong")
+    api["status_no_key"] = _call(port, "GET", "/v1/kvprefetch/warm/warm-0000", key=None)
+    api["delete_wrong_key"] = _call(port, "DELETE", "/v1/kvprefetch/warm/warm-0000", key="sk-wrong")
+    api["completion_no_key"] = _call(port, "POST", "/v1/completions", warm | {"max_tokens": 1}, key=None)
+    # identities: alice's prompt warmed under bob's salt, no salt and alice's; the adapter's under the base model
+    _complete(port, SALTED, KEY, cache_salt="alice")
+    _complete(port, ADAPTED, KEY, model="ad")
+    time.sleep(0.5)
+    for who, extra in (("bob", {"cache_salt": "bob"}), ("no_salt", {}), ("alice", {"cache_salt": "alice"})):
+        api[f"salted_{who}"] = _call(port, "POST", "/v1/kvprefetch/warm", {"model": "tiny", "prompt": SALTED} | extra)
+    for who, model in (("base", "tiny"), ("adapter", "ad")):
+        api[f"adapted_{who}"] = _call(port, "POST", "/v1/kvprefetch/warm", {"model": model, "prompt": ADAPTED})
+    api["unknown_adapter"] = _call(port, "POST", "/v1/kvprefetch/warm", {"model": "nope", "prompt": ADAPTED})
+    api["bad_salt"] = _call(port, "POST", "/v1/kvprefetch/warm", {"model": "tiny", "prompt": "w5", "cache_salt": ""})
+    image = [{"type": "text", "text": "w5"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]
+    api["image"] = _call(port, "POST", "/v1/kvprefetch/warm", {"model": "tiny",
+                                                               "messages": [{"role": "user", "content": image}]})
     return api
 
 
-def _complete(port: int) -> None:
-    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 4}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
+def _complete(port: int, prompt: str = PROMPT, key: str | None = None, **extra: str) -> None:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 4} | extra).encode()
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, headers)
     with urllib.request.urlopen(req, timeout=300) as r:
         assert json.loads(r.read())["choices"][0]["text"]
 
@@ -139,6 +167,9 @@ def stopped(tmp_path_factory) -> dict[str, Stopped]:
                     "--port", str(port), "--host", "127.0.0.1", "--served-model-name", "tiny",
                     "--kv-cache-memory-bytes", str(48 << 20), "--max-model-len", "4096",
                     "--chat-template", CHAT_TEMPLATE]  # fmt: skip
+            if way == WAYS[0]:  # the warm-up API's server: behind an API key, with an adapter
+                argv += ["--api-key", KEY, "--enable-lora", "--max-lora-rank", "8",
+                         "--lora-modules", f"ad={make_adapter(work / 'ad', TINY_CONFIG, seed=1)}"]  # fmt: skip
             with open(log, "w") as out:
                 proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                         env=dict(os.environ, PYTHONUNBUFFERED="1"))  # fmt: skip
@@ -155,7 +186,7 @@ def stopped(tmp_path_factory) -> dict[str, Stopped]:
                     time.sleep(0.5)
         results = {}
         for way, (proc, port, pool, disk, log) in servers.items():
-            _complete(port)
+            _complete(port, key=KEY if way == WAYS[0] else None)
             time.sleep(0.5)  # the worker reports its saves with the step after
             api = _use_warm_api(port) if way == WAYS[0] else {}
             saved = metric_sum(parse_metrics(_get(f"http://127.0.0.1:{port}/metrics").decode()),
@@ -222,3 +253,31 @@ def test_the_warm_up_api_on_vllms_port(stopped):
                              ("unknown_id", 404, "no warm-up"), ("wrong_method", 405, "use POST")]:  # fmt: skip
         status, body = api[call]
         assert status == code and said in body["error"]["message"], (call, status, body)
+
+
+def test_the_warm_up_api_refuses_what_vllm_refuses_without_the_api_key(stopped):
+    api = stopped[WAYS[0]].api
+    assert api["completion_no_key"][0] == 401  # vLLM's own route
+    for call in ("no_key", "wrong_key", "status_no_key", "delete_wrong_key"):
+        assert api[call] == api["completion_no_key"], (call, api[call])  # the same status and answer as vLLM's
+
+
+def test_a_warm_up_counts_and_holds_only_its_own_identitys_chunks(stopped):
+    """A prompt computed under cache_salt alice: a warm-up under bob's salt or none finds none of its chunks (it
+    learns nothing of alice's prompts), alice's finds them all in DRAM. The same for an adapter's prompt warmed under
+    the base model and under the adapter."""
+    api = stopped[WAYS[0]].api
+    for call in ("salted_alice", "salted_bob", "salted_no_salt", "adapted_base", "adapted_adapter"):
+        assert api[call][0] == 200, (call, api[call])
+    alice, bob, plain = (api[f"salted_{w}"][1] for w in ("alice", "bob", "no_salt"))
+    assert alice["chunks"] == 2 and alice["in_dram"] == 2 and alice["missing"] == 0, alice
+    for other in (bob, plain):
+        assert other["chunks"] == 2 and other["missing"] == 2 and other["in_dram"] == 0, other
+    adapter, base = api["adapted_adapter"][1], api["adapted_base"][1]
+    assert adapter["in_dram"] == 2 and base["missing"] == 2 and base["in_dram"] == 0, (adapter, base)
+    status, body = api["unknown_adapter"]
+    assert status == 404 and "`nope` does not exist" in body["error"]["message"] and "ad" in body["error"]["message"]
+    status, body = api["bad_salt"]
+    assert status == 400 and "cache_salt" in body["error"]["message"], body
+    status, body = api["image"]
+    assert status == 400 and "cannot be warmed" in body["error"]["message"], body

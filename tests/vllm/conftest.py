@@ -15,6 +15,10 @@ CHUNK_MIB = 1  # 4 layers x 2 KV heads x 64 dims x (K, V) x float32 x 256 tokens
 DRAM_CHUNKS = 16
 TP2_CHUNK_BYTES = 512 << 10  # with TP=2 each rank holds one KV head: half a chunk per rank
 TP2_DRAM_SLOTS = 32  # rank-chunks (one rank's part of one chunk per slot)
+# LoRA adapters (up to 4 loaded at once, as many kept in memory) and prompt embeddings
+IDENTITY_ENGINE_ARGS = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 4, "max_cpu_loras": 4,
+                        "enable_prompt_embeds": True}  # fmt: skip
+VLM_ENGINE_ARGS = {"skip_tokenizer_init": False, "limit_mm_per_prompt": {"image": 1}}
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -86,7 +90,8 @@ class Engines:
             return base | {"kv_transfer_config": connector_config(extra)}
         if name.startswith("tp2"):
             # Tensor parallelism 2 (one core per rank); the same disk tier as the TP=1 engines above.
-            tp2 = base | {"engine_args": {"tensor_parallel_size": 2}}
+            # (with LoRA: the adapter case at TP=2, `test_vllm_tp2.py`)
+            tp2 = base | {"engine_args": {"tensor_parallel_size": 2, "enable_lora": True, "max_lora_rank": 8}}
             if name == "tp2_reference":
                 return tp2
             dram = {"capacity_bytes": int(TP2_DRAM_SLOTS * (TP2_CHUNK_BYTES + 4096) * 1.01)}
@@ -96,6 +101,19 @@ class Engines:
             if name == "tp2_restarted_prefetch_off":
                 extra = extra_config(self.disk_dir, self.pools, dram=dram, prefetch=False)
                 return tp2 | {"kv_transfer_config": connector_config(extra)}
+        if name.startswith("id_"):
+            # The identity tests (`test_vllm_identity.py`): adapters and prompt embeddings, a disk tier of their own.
+            ident = base | {"engine_args": IDENTITY_ENGINE_ARGS}
+            if name == "id_reference":
+                return ident
+            extra = extra_config(self.disk_dir / "identity", self.pools)
+            return ident | {"kv_transfer_config": connector_config(extra)}  # id_tiers, id_tiers_restarted
+        if name.startswith("vlm_"):
+            # A tiny vision-language model (`tiny_vlm`): images behind placeholder tokens.
+            vlm = base | {"model": self.vlm_dir(), "engine_args": VLM_ENGINE_ARGS}
+            if name == "vlm_reference":
+                return vlm
+            return vlm | {"kv_transfer_config": connector_config(extra_config(self.disk_dir / "vlm", self.pools))}
         if name == "sync_slow_disk":
             # ondemand-sync (prefetch off, the step waits for loads) over a disk throttled to 4 MB/s (a 1 MiB chunk
             # takes 250 ms to read; the tiny model recomputes it in ~50 ms). The connector starts out believing
@@ -115,6 +133,15 @@ class Engines:
             )
             return base | {"kv_transfer_config": connector_config(extra)}
         raise KeyError(name)
+
+    def vlm_dir(self) -> str:
+        """The tiny vision-language model, saved once (beside the tests' Llama)."""
+        from tiny_vlm import make_vlm
+
+        path = Path(self.model_dir).parent / "vlm"
+        if not (path / "config.json").exists():
+            make_vlm(str(path))
+        return str(path)
 
     def get(self, name: str) -> Engine:
         if name not in self.live:

@@ -82,15 +82,6 @@ def test_with_tensor_parallelism_a_chunk_is_in_a_tier_only_when_every_rank_is():
     assert ev.reconcile() == 1
 
 
-def test_requests_whose_hashes_carry_more_than_tokens_are_not_announced():
-    store, ks = FakeStore(), keys(1)
-    ev = events_for(store)
-    for extra in ({"cache_salt": "tenant-a"}, {"lora_request": object()}, {"mm_features": [object()]}):
-        ev.note(request(1, **extra), ks, 1)
-    store.tiers[ks[0][0]] = "dram"
-    assert ev.reconcile() == 0
-
-
 def test_a_chunk_no_tier_holds_is_forgotten_after_a_while_and_a_tier_that_fails_changes_nothing():
     store, req, ks, clock = FakeStore(), request(2), keys(2), Clock()
     ev = events_for(store, clock)
@@ -155,3 +146,38 @@ def test_a_catalog_is_per_hash_space(tmp_path, hash_seed):
     a.reconcile()
     other = TierEvents(store, BLOCK, PER, catalog_dir=tmp_path, hash_algo="xxhash")
     assert other.reconcile() == 0 and len(list(tmp_path.glob("*.jsonl"))) == 1
+
+
+def test_a_request_with_an_adapter_a_salt_and_prompt_embeddings_is_announced_with_vllms_own_extra_keys(
+    tmp_path, hash_seed
+):
+    """Chunks keyed under an identity are announced like vLLM announces its own blocks of that request: its
+    block hashes, ``lora_name``, and per block the extra keys vLLM hashed (the same through the node's catalog)."""
+    import torch
+    from vllm.lora.request import LoRARequest
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import (
+        generate_block_hash_extra_keys,
+        get_request_block_hasher,
+        to_event_extra_keys,
+    )
+    from vllm_requests import vllm_request
+
+    hasher = get_request_block_hasher(BLOCK, get_hash_fn_by_name("sha256"))
+    embeds = torch.randn(2 * BLOCK * PER, 8, generator=torch.Generator().manual_seed(0))
+    req = vllm_request([0] * 2 * BLOCK * PER, lora_request=LoRARequest("ad", 1, "/adapters/ad"),
+                       cache_salt="alice", prompt_embeds=embeds, block_hasher=hasher)  # fmt: skip
+    own = [generate_block_hash_extra_keys(req, b * BLOCK, (b + 1) * BLOCK, 0)[0] for b in range(2 * PER)]
+    store, ks = FakeStore(), keys(2)
+    a = TierEvents(store, BLOCK, PER, catalog_dir=tmp_path)
+    a.note(req, ks, 2)
+    store.tiers[ks[0][0]] = store.tiers[ks[0][1]] = "dram"
+    a.reconcile()
+    events = a.take()
+    assert [e.lora_name for e in events] == ["ad", "ad"]
+    assert [e.extra_keys for e in events] == [to_event_extra_keys(own[:PER]), to_event_extra_keys(own[PER:])]
+    assert events[0].extra_keys[0][:2] == ("ad", "alice") and events[1].extra_keys[0][0] == "ad"  # salt: block 0
+    assert events[0].block_hashes == [maybe_convert_block_hash(h) for h in req.block_hashes[:PER]]
+    b = TierEvents(store, BLOCK, PER, catalog_dir=tmp_path)  # another engine of the node, through the catalog
+    b.reconcile()
+    assert b.take() == events

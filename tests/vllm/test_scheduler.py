@@ -7,6 +7,7 @@ import time
 from types import SimpleNamespace
 
 from fake_store import FakeStore
+from vllm_requests import vllm_request
 
 from kvprefetch.vllm.metrics import ConnectorCounters
 from kvprefetch.vllm.settings import parse_extra_config
@@ -32,9 +33,7 @@ ids = itertools.count()
 
 
 def req(tokens):
-    return SimpleNamespace(
-        request_id=f"r{next(ids)}", prompt_token_ids=tokens, all_token_ids=tokens, num_tokens=len(tokens)
-    )
+    return vllm_request(tokens)
 
 
 def arrive_with_head_on_disk(side, store, keyer):

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from vllm_requests import vllm_request
 
 from kvprefetch.keys import ChunkKeyer, KVNamespace
 from kvprefetch.store import TieredStore
@@ -63,8 +64,7 @@ def side(tmp_path):
 
 
 def req(tokens, **params):
-    return SimpleNamespace(request_id=f"r{next(_ids)}", prompt_token_ids=tokens, all_token_ids=tokens,
-                           num_tokens=len(tokens), kv_transfer_params=params or None)  # fmt: skip
+    return vllm_request(tokens, kv_transfer_params=params or None)
 
 
 def put(store: TieredStore, tokens: list[int]) -> list[bytes]:

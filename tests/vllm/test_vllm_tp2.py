@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvprefetch.bench.protocol import Completion, CountersReply, Generate
+from kvprefetch.bench.protocol import Completion, CountersReply, Generate, PromptIdentity
 
 pytest.importorskip("vllm")
 
@@ -152,6 +152,29 @@ def test_tp1_and_tp2_never_serve_each_others_chunks(engines):
     assert delta(after, before)["loaded_chunks"] == 0
     for r, d in rank_delta(after, before).items():
         assert d["reached_hit_chunks"] == 0 and d["loaded_chunks"] == 0, (r, d)  # ... not for TP=2
+
+
+def test_tp2_an_adapter_never_loads_the_base_models_kv_and_reuses_its_own_on_every_rank(engines, tmp_path):
+    """A LoRA adapter at TP=2: every rank's part of a base-model chunk is in DRAM, none is loaded for the adapter's
+    request; the adapter's own chunks are, on both ranks. Every answer equals a TP=2 engine without the connector."""
+    from tests.adapters import make_adapter, model_config
+
+    path = make_adapter(tmp_path / "ad", model_config(engines.model_dir), seed=1)
+    ad = PromptIdentity(lora_name="ad", lora_path=str(path))
+    e, ref = engines.get("tp2"), engines.get("tp2_reference")
+    p = prompt(2004, LEN)
+    want = ref.generate([p], identities=[ad])[0]
+    assert want.token_ids != reference(engines, p).token_ids  # (the adapter changes the answer)
+    e.generate([p], 1)  # the base model's chunks, on both ranks
+    assert e.flush()
+    for loads in (0, N):  # the adapter's first request loads nothing; its second loads its own chunks
+        before = snap(e)
+        assert_same(e.generate([p], identities=[ad])[0], want)
+        assert e.flush()
+        after = snap(e)
+        assert delta(after, before)["loaded_chunks"] == loads
+        for r, d in rank_delta(after, before).items():
+            assert d["loaded_chunks"] == loads, (r, d)
 
 
 def test_tp2_new_engine_process_reads_disk(engines):

@@ -699,11 +699,13 @@ def op_generate(child: EngineChild, req: P.Generate) -> P.Generated:
 
     engine = child.engine
     each = req.max_tokens_each or [req.max_tokens] * len(req.prompts)
+    identities = req.identities or [None] * len(req.prompts)
     t0 = time.perf_counter()
     ids = [f"gen-{next(_GENERATIONS)}" for _ in req.prompts]
-    for rid, p, n in zip(ids, req.prompts, each, strict=True):
+    for rid, p, n, who in zip(ids, req.prompts, each, identities, strict=True):
         sp = SamplingParams(max_tokens=n, temperature=0.0, logprobs=1, ignore_eos=True)
-        engine.add_request(rid, {"prompt_token_ids": p}, sp)
+        prompt, lora = _prompt(p, who)
+        engine.add_request(rid, prompt, sp, lora_request=lora)
     landed = None
     if req.hold_until_prefetched:
         landed = all(c.wait_for_prefetches(timeout=120) for c in _live_connectors())
@@ -717,6 +719,32 @@ def op_generate(child: EngineChild, req: P.Generate) -> P.Generated:
 
 
 _GENERATIONS = itertools.count()
+_LORA_IDS: dict[tuple[str, str], int] = {}  # (name, path) -> vLLM's per-process adapter id
+
+
+def _prompt(tokens: list[int], who: P.PromptIdentity | None) -> tuple[dict[str, Any], Any]:
+    """vLLM's prompt and LoRA request for a prompt of `tokens` with an identity (`P.PromptIdentity`)."""
+    if who is None:
+        return {"prompt_token_ids": tokens}, None
+    prompt: dict[str, Any] = {"prompt_token_ids": tokens}
+    if who.embeds_file:
+        from safetensors.torch import load_file
+
+        prompt = {"prompt_embeds": load_file(who.embeds_file)["embeds"]}
+    if who.image_file:
+        from PIL import Image
+
+        prompt["multi_modal_data"] = {"image": Image.open(who.image_file).convert("RGB")}
+    if who.cache_salt:
+        prompt["cache_salt"] = who.cache_salt
+    lora = None
+    if who.lora_name:
+        from vllm.lora.request import LoRARequest
+
+        assert who.lora_path, "an adapter needs its directory"
+        lora_id = _LORA_IDS.setdefault((who.lora_name, who.lora_path), len(_LORA_IDS) + 1)
+        lora = LoRARequest(who.lora_name, lora_id, who.lora_path)
+    return prompt, lora
 
 
 def _completion(out: Any) -> P.Completion:
@@ -731,7 +759,14 @@ def op_warm(child: EngineChild, req: P.Warm) -> P.Warmed:
     sched = _scheduler_connector()
     if sched is None:
         raise RuntimeError("warm needs the kvprefetch connector")
-    counts = sched.warm(req.tokens, req.ttl_s)
+    identity = None
+    if req.identity is not None:
+        from kvprefetch.vllm.identity import Identity, named_identity
+
+        identity = named_identity(req.identity.lora_name, req.identity.lora_path, req.identity.cache_salt)
+        if not isinstance(identity, Identity):
+            raise RuntimeError(f"the warm-up's identity cannot be keyed: {identity}")
+    counts = sched.warm(req.tokens, req.ttl_s, identity=identity)
     now = counts
     deadline = time.monotonic() + req.wait
     while now is not None and now.in_dram < now.chunks and time.monotonic() < deadline:

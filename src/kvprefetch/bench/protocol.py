@@ -227,8 +227,20 @@ class End(Request):
     op = "end"
 
 
+class PromptIdentity(_Wire):
+    """What a prompt is beyond its tokens, as a completion names it (the identity tests): a LoRA adapter (its name
+    and directory), a cache salt, prompt embeddings (a safetensors file whose tensor "embeds" is the prompt: its
+    tokens are then unused), an image (a file vLLM's processor reads; the prompt's tokens hold its placeholders)."""
+
+    lora_name: str | None = None
+    lora_path: str | None = None
+    cache_salt: str | None = None
+    embeds_file: str | None = None
+    image_file: str | None = None
+
+
 class Generate(Request):
-    """Greedy completions with their logprobs (the exactness tests)."""
+    """Greedy completions with their logprobs (the exactness tests); `identities[i]`: prompt i's, if any."""
 
     op = "generate"
     reply = Generated
@@ -236,6 +248,7 @@ class Generate(Request):
     max_tokens: int = 8
     max_tokens_each: list[int] | None = None
     hold_until_prefetched: bool = False  # every request queued and every prefetch landed before the first step
+    identities: list[PromptIdentity | None] | None = None
 
 
 class Warm(Request):
@@ -247,6 +260,7 @@ class Warm(Request):
     tokens: list[int]
     ttl_s: float = 30.0
     wait: float = 0.0
+    identity: PromptIdentity | None = None  # (its adapter and cache salt)
 
 
 class DiskBandwidth(Request):

@@ -1,7 +1,11 @@
-"""Chained prefix keys: key_i = H(key_{i-1}, tokens of chunk i).
+"""Chained prefix keys: key_i = H(key_{i-1}, tokens of chunk i, extra_i).
 
 Equal keys mean an equal whole prefix (not just an equal chunk), which is what makes a chunk's KV reusable:
-attention KV depends on every token before it.
+attention KV depends on every token before it. Tokens are not always all a chunk's KV depends on: a LoRA adapter,
+an image behind placeholder tokens, prompt embeddings, a tenant's cache salt change it too. The caller that knows
+a request's identity (`kvprefetch.vllm.identity`) passes one digest per chunk, ``extra_i``; it enters the chain, so
+it separates that chunk and every later one. A chunk with nothing beyond its tokens passes b"" (its key is then the
+tokens' alone: the token bytes are fixed-length, so the extra digest after them is never ambiguous).
 """
 
 from __future__ import annotations
@@ -38,16 +42,26 @@ class ChunkKeyer:
         """Whole chunks in a prompt of num_tokens (a trailing partial chunk has no key)."""
         return num_tokens // self.chunk_tokens
 
-    def keys(self, token_ids: Sequence[int] | np.ndarray, max_chunks: int | None = None) -> list[bytes]:
-        """Keys of the leading whole chunks of token_ids."""
+    def keys(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        max_chunks: int | None = None,
+        extras: Sequence[bytes] | None = None,
+    ) -> list[bytes]:
+        """Keys of the leading whole chunks of token_ids; ``extras[i]``: what else chunk i's KV depends on (a
+        digest, b"" for nothing; None: nothing for any chunk). Raises if extras is shorter than the chunks keyed:
+        a chunk keyed without its identity is the one mistake these keys exist to prevent."""
         tokens = np.asarray(token_ids, dtype=np.int64)
         n = self.num_chunks(len(tokens))
         if max_chunks is not None:
             n = min(n, max_chunks)
+        if extras is not None and len(extras) < n:
+            raise ValueError(f"{len(extras)} chunk extras for {n} chunks")
         keys: list[bytes] = []
         parent = self._root
         for i in range(n):
             chunk = tokens[i * self.chunk_tokens : (i + 1) * self.chunk_tokens]
-            parent = blake3.blake3(parent + chunk.astype("<i8").tobytes()).digest()
+            extra = extras[i] if extras is not None else b""
+            parent = blake3.blake3(parent + chunk.astype("<i8").tobytes() + extra).digest()
             keys.append(parent)
         return keys

@@ -11,6 +11,12 @@ import json
 import blake3
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# The key scheme's version, first in every namespace's digest. v2: chunk keys carry the request's identity (LoRA
+# adapter, cache salt, multimodal items, prompt embeddings; `ChunkKeyer.keys`' extras). v1 keyed tokens alone, so a
+# tier written under v1 may hold an adapter's or a tenant's KV under the plain tokens' key: every v1 chunk must read
+# as a miss now, and does, because no v2 key equals a v1 key (the disk tier's LRU evicts them in time).
+KEY_SCHEME = b"kvprefetch-ns-v2\0"
+
 
 class KVNamespace(BaseModel):
     """Identity of a KV layout; its digest seeds every chunk key."""
@@ -40,9 +46,10 @@ class KVNamespace(BaseModel):
 
     @property
     def digest(self) -> bytes:
-        """32-byte blake3 digest of the canonical JSON of every field (not cached: copies must not inherit it)."""
+        """32-byte blake3 digest of the key scheme's version and the canonical JSON of every field (not cached:
+        copies must not inherit it)."""
         canonical = json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
-        return blake3.blake3(b"kvprefetch-ns-v1\0" + canonical.encode()).digest()
+        return blake3.blake3(KEY_SCHEME + canonical.encode()).digest()
 
     @property
     def short_id(self) -> str:

@@ -23,6 +23,14 @@ What it keeps of SGLang's contract and what it adds:
   lands (zero-copy path: no staging page).
 - A page is readable as soon as `batch_set` returns: it is in the node's DRAM pool, and written to disk behind it.
 - A damaged or missing page is a miss (`False` / `None`), never other bytes: every chunk is checksummed.
+- A page of one identity is never another's: SGLang (from sgl-project/sglang#38577, in 0.5.23) seeds the hash chain
+  of the page keys it hands a storage backend with the request's ``extra_key`` (its LoRA adapter's id appended) and
+  ``cache_salt``, on the backup and the prefetch path alike; a backend sees nothing else of a request's identity, so
+  an SGLang whose page keys do not carry it is refused at start (`check_page_keys_carry_identity`). What SGLang
+  itself leaves open is its to close: a client's ``extra_key`` is concatenated with the adapter's id unframed
+  (sgl-project/sglang#24638), and an adapter or model replaced in place keeps its keys (SGLang names an adapter by
+  its name and path): strip client ``extra_key`` at the gateway, and change ``model_id`` or ``tenant`` when weights
+  change under one name.
 """
 
 from __future__ import annotations
@@ -73,10 +81,27 @@ class BackendSettings(BaseModel):
             raise ConfigError(_explain(err, source="hicache-storage-backend-extra-config")) from None
 
 
+def check_page_keys_carry_identity() -> None:
+    """Refuse an SGLang whose HiCache page keys are its tokens' alone (before sgl-project/sglang#38577): its LoRA
+    requests' and salted tenants' pages would sit under the base model's keys, in tiers that outlive the server."""
+    from sglang.srt.mem_cache import utils
+
+    seed = getattr(utils, "storage_namespace_seed", None)
+    if seed is None or seed("lora-a", None) == seed(None, None) or seed(None, "salt-a") == seed(None, "salt-b"):
+        import sglang
+
+        raise RuntimeError(
+            f"kvprefetch: SGLang {getattr(sglang, '__version__', '?')}'s HiCache page keys do not carry a request's "
+            "extra_key / LoRA adapter / cache_salt, so pages of one identity would be served to another from "
+            "kvprefetch's tiers; use SGLang >= 0.5.23 (or serve without --hicache-storage-backend)"
+        )
+
+
 class KVPrefetchStorage(HiCacheStorage):
     """An SGLang `HiCacheStorage` over a `TieredStore` (node DRAM pool, disk tier, shared tier)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
+        check_page_keys_carry_identity()
         self.storage_config = storage_config
         self.settings = BackendSettings.from_extra_config(storage_config.extra_config)
         self.store: TieredStore | None = None

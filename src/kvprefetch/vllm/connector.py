@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvprefetch.vllm.compat import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, block_ids_of
 from kvprefetch.vllm.events import TierEvents
+from kvprefetch.vllm.identity import Identity
 from kvprefetch.vllm.metadata import KVPrefetchMetadata
 from kvprefetch.vllm.metrics import ConnectorCounters, Reporter
 from kvprefetch.vllm.scheduler import SchedulerSide, WarmCounts
@@ -234,11 +235,14 @@ class KVPrefetchConnector(KVConnectorBase_V1):
         and saves as they reported them with each step's output."""
         return self._sched.rank_counters.snapshot() if self._sched is not None else None
 
-    def warm(self, token_ids: list[int], ttl_s: float = 30.0, lease_id: str | None = None) -> WarmCounts:
-        """(Scheduler side) The warm-up API in-process: read the whole chunks of token_ids up into DRAM and lease
-        them for ttl_s (`SchedulerSide.warm`); what `POST /v1/kvprefetch/warm` calls."""
+    def warm(
+        self, token_ids: list[int], ttl_s: float = 30.0, lease_id: str | None = None, identity: Identity | None = None
+    ) -> WarmCounts:
+        """(Scheduler side) The warm-up API in-process: read the whole chunks of token_ids (keyed under `identity`:
+        the adapter and cache salt of the completion to come) up into DRAM and lease them for ttl_s
+        (`SchedulerSide.warm`); what `POST /v1/kvprefetch/warm` calls."""
         assert self._sched is not None, "warm-up runs on the scheduler side"
-        return self._sched.warm(token_ids, ttl_s, lease_id or f"warm-{uuid.uuid4().hex[:16]}")
+        return self._sched.warm(token_ids, ttl_s, lease_id or f"warm-{uuid.uuid4().hex[:16]}", identity)
 
     def warm_status(self, lease_id: str) -> WarmCounts | None:
         """(Scheduler side) A warm-up's chunks now (None: unknown, expired or ended)."""

@@ -23,9 +23,11 @@ saved is announced by all of them, and an engine that restarts announces what th
 (a router that starts later is resynced). Without a disk tier there is no catalog: each engine announces what
 it keyed itself.
 
-Not announced: chunks of requests whose blocks' hashes carry more than their tokens (a LoRA adapter, a cache
-salt, multimodal inputs, prompt embeddings): kvprefetch's chunk keys are the tokens alone, so one chunk would
-stand for blocks of different hashes.
+Chunks of requests whose blocks' hashes carry more than their tokens (a LoRA adapter, a cache salt, multimodal
+inputs, prompt embeddings) are announced like any other, with the fields vLLM fills for its own blocks
+(``lora_name``, ``extra_keys``): their chunk keys carry the same identity (`kvprefetch.vllm.identity`), so one
+chunk stands for one identity's blocks. Requests served without the tiers (`identity.Untiered`) are never keyed,
+so never noted.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvprefetch.vllm.identity import event_extra_keys
 from kvprefetch.vllm.store_api import SchedulerStore
 
 log = logging.getLogger("kvprefetch.vllm")
@@ -69,11 +72,14 @@ TIER_EVENTS: dict[str, Where] = {
 
 @dataclass(frozen=True)
 class ChunkBlocks:
-    """A chunk as vLLM's events name blocks: its blocks' hashes, the hash of the block before it, its tokens."""
+    """A chunk as vLLM's events name blocks: its blocks' hashes, the hash of the block before it, its tokens, and
+    what else vLLM hashed into them (the adapter's name; per block, the extra keys as vLLM's events publish them)."""
 
     hashes: tuple[int | bytes, ...]
     parent: int | bytes | None
     token_ids: array  # (4 bytes a token: a chunk's tokens are most of what is kept of it)
+    lora_name: str | None = None
+    extra_keys: tuple[Any, ...] | None = None  # one entry per block (None, or a tuple), or None for none at all
 
 
 @dataclass
@@ -107,9 +113,7 @@ class NodeCatalog:
     def append(self, entries: list[tuple[tuple[bytes, ...], ChunkBlocks]]) -> None:
         if not entries:
             return
-        lines = "".join(json.dumps({"k": [k.hex() for k in ck], "h": [_hash_json(h) for h in b.hashes],
-                                    "p": _hash_json(b.parent), "t": list(b.token_ids)}, separators=(",", ":")) + "\n"
-                        for ck, b in entries)  # fmt: skip
+        lines = "".join(json.dumps(_catalog_line(ck, b), separators=(",", ":")) + "\n" for ck, b in entries)
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, lines.encode())  # one append: lines of concurrent writers do not interleave
@@ -130,11 +134,39 @@ class NodeCatalog:
         for line in data[:end].splitlines():
             try:
                 d = json.loads(line)
-                blocks = ChunkBlocks(tuple(_hash_of(h) for h in d["h"]), _hash_of(d["p"]), array("i", d["t"]))
+                blocks = ChunkBlocks(tuple(_hash_of(h) for h in d["h"]), _hash_of(d["p"]), array("i", d["t"]),
+                                     d.get("l"), _untagged(d["x"]) if d.get("x") is not None else None)  # fmt: skip
                 out.append((tuple(bytes.fromhex(k) for k in d["k"]), blocks))
             except (ValueError, KeyError, TypeError):
                 continue  # cut short or damaged: that chunk is announced by the engine that keyed it only
         return out
+
+
+def _catalog_line(ck: tuple[bytes, ...], b: ChunkBlocks) -> dict[str, Any]:
+    line: dict[str, Any] = {"k": [k.hex() for k in ck], "h": [_hash_json(h) for h in b.hashes],
+                            "p": _hash_json(b.parent), "t": list(b.token_ids)}  # fmt: skip
+    if b.lora_name is not None:
+        line["l"] = b.lora_name
+    if b.extra_keys is not None:
+        line["x"] = _tagged(b.extra_keys)
+    return line
+
+
+def _tagged(v: Any) -> Any:
+    """Extra keys as JSON: tuples as lists, bytes (prompt-embedding digests) as {"b": hex}."""
+    if isinstance(v, bytes):
+        return {"b": v.hex()}
+    if isinstance(v, tuple | list):
+        return [_tagged(x) for x in v]
+    return v
+
+
+def _untagged(v: Any) -> Any:
+    if isinstance(v, dict):
+        return bytes.fromhex(v["b"])
+    if isinstance(v, list):
+        return tuple(_untagged(x) for x in v)
+    return v
 
 
 def catalog_path(directory: Path, hash_algo: str, block_size: int) -> Path | None:
@@ -150,18 +182,28 @@ def catalog_path(directory: Path, hash_algo: str, block_size: int) -> Path | Non
 
 
 def carries_more_than_tokens(request: Any) -> bool:
-    """Whether vLLM's hashes of the request's blocks carry more than their tokens (see the module's docstring)."""
+    """Whether vLLM's hashes of the request's blocks carry more than their tokens (its adapter, cache salt,
+    multimodal items or prompt embeddings)."""
     extra = ("lora_request", "cache_salt", "mm_features")
     return any(getattr(request, a, None) for a in extra) or getattr(request, "prompt_embeds", None) is not None
 
 
 def chunk_blocks(request: Any, i: int, chunk_tokens: int, blocks_per_chunk: int, convert: Callable) -> ChunkBlocks:
-    """Chunk i of the request in the engine's hash space (its blocks must be hashed: a whole chunk's are)."""
+    """Chunk i of the request in the engine's hash space (its blocks must be hashed: a whole chunk's are), with
+    the extra keys vLLM hashed into each block, as its own events publish them."""
     hashes, first = request.block_hashes, i * blocks_per_chunk
+    lora, extra = None, None
+    if carries_more_than_tokens(request):
+        lora = request.lora_request.lora_name if request.lora_request else None
+        block_size = chunk_tokens // blocks_per_chunk
+        keys = event_extra_keys(request, first, first + blocks_per_chunk, block_size)
+        extra = tuple(keys) if keys is not None else None
     return ChunkBlocks(
         tuple(convert(h) for h in hashes[first : first + blocks_per_chunk]),
         convert(hashes[first - 1]) if first else None,
         array("i", request.all_token_ids[i * chunk_tokens : (i + 1) * chunk_tokens]),
+        lora,
+        extra,
     )
 
 
@@ -195,9 +237,7 @@ class TierEvents:
 
     # ---- the scheduler's -------------------------------------------------------------------------------------
     def note(self, request: Any, keys: Sequence[Sequence[bytes]], n: int) -> None:
-        """Chunks [0, n) of the request, keyed (``keys[rank][i]``): asked about from now on."""
-        if carries_more_than_tokens(request):
-            return
+        """Chunks [0, n) of the request, keyed (``keys[rank][i]``, under its identity): asked about from now on."""
         chunk_tokens = self.block_size * self.blocks_per_chunk
         n = min(n, len(request.block_hashes) // self.blocks_per_chunk)
         now = self.clock()
@@ -303,7 +343,8 @@ class TierEvents:
     def _stored_event(self, blocks: ChunkBlocks, where: Where) -> Any:
         return self._stored(
             block_hashes=list(blocks.hashes), parent_block_hash=blocks.parent, token_ids=list(blocks.token_ids),
-            block_size=self.block_size, lora_id=None, medium=where.medium, lora_name=None, group_idx=0,
+            block_size=self.block_size, lora_id=None, medium=where.medium, lora_name=blocks.lora_name,
+            extra_keys=list(blocks.extra_keys) if blocks.extra_keys is not None else None, group_idx=0,
             kv_cache_spec_kind=self.spec_kind, locality=where.locality, ownership=where.ownership,
         )  # fmt: skip
 

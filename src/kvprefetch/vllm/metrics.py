@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvprefetch.vllm.identity import UNTIERED_REASONS
+
 log = logging.getLogger("kvprefetch.vllm")
 
 COUNTERS: dict[str, str] = {
@@ -54,6 +56,8 @@ COUNTERS: dict[str, str] = {
     "hit_tokens_dram": "Prompt tokens loaded into the engine from the DRAM tier.",
     "hit_tokens_disk": "Prompt tokens loaded into the engine from the disk tier (read up through DRAM).",
     "hit_tokens_remote": "Prompt tokens loaded into the engine from the remote tier (read up through DRAM).",
+    **{f"untiered_requests_{reason}": f"Requests served without the tiers because {why}."
+       for reason, why in UNTIERED_REASONS.items()},
 }
 HIT_TIERS = ("dram", "disk", "remote")
 
@@ -61,6 +65,11 @@ HIT_TIERS = ("dram", "disk", "remote")
 def hit_counter(tier: str) -> str:
     """The counter of prompt tokens loaded from `tier` (the tier that held each chunk when its load was planned)."""
     return f"hit_tokens_{tier}"
+
+
+def untiered_counter(reason: str) -> str:
+    """The counter of requests served without the tiers for `reason` (`kvprefetch.vllm.identity.UNTIERED_REASONS`)."""
+    return f"untiered_requests_{reason}"
 
 
 _live: weakref.WeakSet[ConnectorCounters] = weakref.WeakSet()

@@ -52,9 +52,10 @@ from typing import TYPE_CHECKING, Any
 from kvprefetch.keys import ChunkKeyer
 from kvprefetch.tiers.chunk_format import image_bytes
 from kvprefetch.vllm.costmodel import CostModel, TierMeter
+from kvprefetch.vllm.identity import Identity, Untiered, UntieredLog, request_identity
 from kvprefetch.vllm.leases import Lease, Leases
 from kvprefetch.vllm.metadata import KVPrefetchMetadata, KVPrefetchWorkerMeta, LoadJob, SaveJob
-from kvprefetch.vllm.metrics import ConnectorCounters, RankCounters, hit_counter
+from kvprefetch.vllm.metrics import ConnectorCounters, RankCounters, hit_counter, untiered_counter
 from kvprefetch.vllm.settings import ConnectorSettings, LoadMode
 from kvprefetch.vllm.store_api import ReadHandle, SchedulerStore
 from kvprefetch.vllm.timeline import timeline
@@ -158,6 +159,10 @@ class _Req:
     saved_chunks: int = 0  # leading chunks known to be in the store (loaded, present or saved)
     saves_inflight: set[int] = field(default_factory=set)
     join_until: float | None = None  # (clock) how long it waits for a save of its next chunk still in flight
+    # What its KV depends on beyond its tokens (`identity`), established when it first has a whole chunk;
+    # `Untiered`: served without the tiers (never keyed, looked up, loaded nor saved)
+    identity: Identity | Untiered | None = None
+    extras: list[bytes] = field(default_factory=list)  # per chunk keyed: its identity's digest (`ChunkKeyer.keys`)
 
     def chunk_keys(self, first: int, end: int) -> list[list[bytes]]:
         return [k[first:end] for k in self.keys]
@@ -269,17 +274,36 @@ class SchedulerSide:
         self._landings = 0
         self.timeline = timeline()
         self.events = events
+        self._untiered_log = UntieredLog()
 
     # ---- keys and lookup ------------------------------------------------------------------------------------
     def _keys(self, st: _Req, num_tokens: int) -> int:
-        """Key the request's whole chunks in num_tokens (for every rank); return how many there are."""
+        """Key the request's whole chunks in num_tokens (for every rank, under its identity); return how many
+        there are (0 for a request served without the tiers: it has no keys)."""
         n = num_tokens // self.chunk_tokens
+        if not n or not self._identify(st):
+            return 0
         if not st.keys or len(st.keys[0]) < n:
             tokens = list(st.request.all_token_ids[: n * self.chunk_tokens])
-            st.keys = [k.keys(tokens) for k in self.keyers]
+            assert isinstance(st.identity, Identity)
+            if not st.identity.plain and len(st.extras) < n:
+                st.extras += st.identity.chunk_extras(len(st.extras), n, self.chunk_tokens)
+            extras = st.extras if st.extras else None
+            st.keys = [k.keys(tokens, extras=extras) for k in self.keyers]
             if self.events is not None:
                 self.events.note(st.request, st.keys, n)
         return n
+
+    def _identify(self, st: _Req) -> bool:
+        """Establish the request's identity (`identity.request_identity`) the first time it has a whole chunk;
+        False if it is served without the tiers (counted, and logged once per reason)."""
+        if st.identity is None:
+            st.identity = request_identity(st.request, self.block_size)
+            if isinstance(st.identity, Untiered):
+                self.counters.inc(untiered_counter(st.identity.reason))
+                self._untiered_log.tell(st.identity, st.req_id)
+                self.timeline.event("untiered", st.req_id, reason=st.identity.reason)
+        return isinstance(st.identity, Identity)
 
     def _lookup(self, st: _Req, n: int) -> _Hit:
         return self._hit([keys[:n] for keys in st.keys])
@@ -303,7 +327,7 @@ class SchedulerSide:
         self.leases.expire()
         if not self.settings.prefetch or self.settings.load_policy == "never":
             return
-        n = self._keys(st, len(request.prompt_token_ids or ()))
+        n = self._keys(st, request.num_prompt_tokens)
         if not n:
             return
         hit = self._lookup(st, n)
@@ -664,9 +688,8 @@ class SchedulerSide:
             if st is None:
                 continue
             full = min(done_tokens, st.request.num_tokens) // self.chunk_tokens
-            if full <= st.saved_chunks:
-                continue
-            self._keys(st, full * self.chunk_tokens)
+            if full <= st.saved_chunks or not self._keys(st, full * self.chunk_tokens):
+                continue  # nothing new, or served without the tiers
             # Chunks already in DRAM (on every rank) are skipped. Chunks only on disk that the engine computed
             # anyway (recomputed because the disk was too slow, or served by vLLM's own prefix cache) are put
             # again: into DRAM, where the next hit is cheap; the store does not write them to disk twice.
@@ -790,14 +813,18 @@ class SchedulerSide:
             self._saving.pop(key, None)
 
     # ---- warm-up: a client names the next turn's head before it arrives ---------------------------------------
-    def warm(self, token_ids: Sequence[int], ttl_s: float, lease_id: str) -> WarmCounts:
+    def warm(
+        self, token_ids: Sequence[int], ttl_s: float, lease_id: str, identity: Identity | None = None
+    ) -> WarmCounts:
         """Start the reads of the whole chunks of token_ids that are below DRAM (prefetch priority: demand reads
         go first) and lease every chunk of the hit for ttl_s; answers at once, without waiting for the reads.
-        (Thread-safe: the warm server calls it from its own thread.)"""
+        ``identity``: what the completion that follows will be keyed under (its adapter, cache salt): only its own
+        chunks are counted, read and leased. (Thread-safe: the warm server calls it from its own thread.)"""
         self.leases.expire()
         self.counters.inc("warm_calls")
         n = len(token_ids) // self.chunk_tokens
-        keys = [k.keys(list(token_ids[: n * self.chunk_tokens])) for k in self.keyers]
+        extras = identity.chunk_extras(0, n, self.chunk_tokens) if identity is not None and not identity.plain else None
+        keys = [k.keys(list(token_ids[: n * self.chunk_tokens]), extras=extras) for k in self.keyers]
         hit = self._hit(keys)
         m = hit.num_chunks
         flat = [k[i] for i in range(m) for k in keys]

@@ -18,6 +18,8 @@ Metric names (all labelled with vLLM's ``model_name`` and ``engine``; counters g
 
 * ``vllm:kvprefetch_<counter>`` for every counter in `kvprefetch.vllm.metrics.COUNTERS` (prefetched / in time /
   late / evicted / cancelled, loaded / recomputed-because-slower chunks, load errors, saves);
+* ``vllm:kvprefetch_untiered_requests{reason}``: requests served without the tiers because their identity (a
+  LoRA adapter, multimodal items, ...) could not be keyed (`kvprefetch.vllm.identity.UNTIERED_REASONS`);
 * ``vllm:kvprefetch_hit_tokens{tier}``: prompt tokens the engine loaded from each tier (dram, disk, remote);
   vLLM's own ``vllm:prompt_tokens_cached_by_source{source=host|disk|external_unspecified}`` gets the same split
   (``get_external_cache_hit_sources``);
@@ -38,7 +40,8 @@ from typing import Any
 from kvprefetch.io.engine import IOClass
 from kvprefetch.tiers.errors import ErrorKind
 from kvprefetch.vllm.compat import CacheHitSource, KVConnectorPromMetrics, KVConnectorStats, PromMetric, PromMetricT
-from kvprefetch.vllm.metrics import COUNTERS, HIT_TIERS, ConnectorCounters, hit_counter
+from kvprefetch.vllm.identity import UNTIERED_REASONS
+from kvprefetch.vllm.metrics import COUNTERS, HIT_TIERS, ConnectorCounters, hit_counter, untiered_counter
 from kvprefetch.vllm.settings import parse_extra_config
 
 PREFIX = "vllm:kvprefetch_"
@@ -55,6 +58,10 @@ VLLM_SOURCE: dict[str, CacheHitSource] = {
     "disk": CacheHitSource.DISK,
     "remote": CacheHitSource.EXTERNAL_UNSPECIFIED,
 }
+# Counters exported as one labelled metric each (`KVPrefetchPromMetrics`): counter name -> label value.
+_HIT_NAMES = {hit_counter(t): t for t in HIT_TIERS}
+_UNTIERED_NAMES = {untiered_counter(r): r for r in UNTIERED_REASONS}
+_LABELLED = _HIT_NAMES.keys() | _UNTIERED_NAMES.keys()
 # The log line's short names, in order (hit tokens per tier and read bytes per tier follow them).
 SECTIONS = ("counters", "io", "errors")
 LOG_KEYS: tuple[tuple[str, str], ...] = (
@@ -218,16 +225,21 @@ class KVPrefetchPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        hit_names = {hit_counter(t) for t in HIT_TIERS}
         self._counters = {
             name: self._counter_cls(name=PREFIX + name, documentation=doc, labelnames=labelnames)
             for name, doc in COUNTERS.items()
-            if name not in hit_names
+            if name not in _LABELLED
         }
         self._hits = self._counter_cls(
             name=PREFIX + "hit_tokens",
             documentation="Prompt tokens the engine loaded from each kvprefetch tier (instead of computing them).",
             labelnames=[*labelnames, "tier"],
+        )
+        self._untiered = self._counter_cls(
+            name=PREFIX + "untiered_requests",
+            documentation="Requests served without kvprefetch's tiers (no load, no save), by why their identity "
+            "could not be keyed.",
+            labelnames=[*labelnames, "reason"],
         )
         self._io = {
             f: self._counter_cls(name=PREFIX + suffix, documentation=doc, labelnames=[*labelnames, "tier", "cls"])
@@ -246,6 +258,8 @@ class KVPrefetchPromMetrics(KVConnectorPromMetrics):
                 c.labels(*values)
             for tier in HIT_TIERS:
                 self._hits.labels(*values, tier)
+            for reason in UNTIERED_REASONS:
+                self._untiered.labels(*values, reason)
             for metric in self._io.values():
                 for tier, cls in io_series:
                     metric.labels(*values, tier, cls)
@@ -256,12 +270,13 @@ class KVPrefetchPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         values = self.per_engine_labelvalues[engine_idx]
         stats = KVPrefetchStats(data=dict(transfer_stats_data))
-        hit_names = {hit_counter(t): t for t in HIT_TIERS}
         for name, n in stats.data["counters"].items():
             if n <= 0:
                 continue
-            if name in hit_names:
-                self._hits.labels(*values, hit_names[name]).inc(n)
+            if name in _HIT_NAMES:
+                self._hits.labels(*values, _HIT_NAMES[name]).inc(n)
+            elif name in _UNTIERED_NAMES:
+                self._untiered.labels(*values, _UNTIERED_NAMES[name]).inc(n)
             elif name in self._counters:
                 self._counters[name].labels(*values).inc(n)
         for key, fields in stats.data["io"].items():

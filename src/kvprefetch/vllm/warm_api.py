@@ -2,10 +2,16 @@
 
 Served by `kvprefetch serve` on vLLM's own port (vLLM's ``--middleware``, no second address)::
 
-    POST   /v1/kvprefetch/warm        {"model", "messages" | "prompt" | "prompt_token_ids", "ttl_s": 30}
+    POST   /v1/kvprefetch/warm        {"model", "messages" | "prompt" | "prompt_token_ids", "cache_salt", "ttl_s": 30}
            -> 200 {"id", "chunks", "in_dram", "on_disk", "remote", "missing", "ttl_s"}   (at once: reads go on)
     GET    /v1/kvprefetch/warm/{id}   -> the same counts now (how many chunks have reached DRAM)
     DELETE /v1/kvprefetch/warm/{id}   -> the lease ends
+
+A warm-up names its prompt's identity as the completion that follows will: ``model`` (the base model, or a LoRA
+adapter the server serves) and ``cache_salt``; its chunks are keyed under that identity (`kvprefetch.vllm.identity`),
+so a warm-up counts, reads and leases only the chunks a completion of that identity could load, never another
+tenant's or another adapter's. The routes are vLLM's own (added to its app, `install_routes`): every request to
+them passes through vLLM's middleware, its ``--api-key`` check included, as ``/v1/completions`` does.
 
 Messages and prompts are tokenized by vLLM's own tokenization service (the server's tokenizer and chat
 template, as ``/tokenize`` does), so the chunks named are those the next real request will look up. A chat body
@@ -33,7 +39,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kvprefetch.vllm.identity import Untiered, named_identity
 
 log = logging.getLogger("kvprefetch.vllm")
 
@@ -118,7 +126,12 @@ def engine_handler(sched: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
             tokens = req.get("tokens")
             if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
                 return {"status": 400, "error": "tokens must be a list of token ids"}
-            return sched.warm(tokens, float(req.get("ttl_s") or 30.0), lease_id).as_json()
+            identity = named_identity(**(req.get("identity") or {}))
+            if isinstance(identity, Untiered):  # (what a completion of it would be served as: without the tiers)
+                why = f"{identity.reason}: {identity.detail}"
+                return {"status": 422, "error": f"this prompt's chunks cannot be keyed ({why}): its requests are "
+                                                "served without the tiers"}  # fmt: skip
+            return sched.warm(tokens, float(req.get("ttl_s") or 30.0), lease_id, identity).as_json()
         if op == "status":
             counts = sched.warm_status(lease_id)
             return counts.as_json() if counts is not None else {"status": 404, "error": f"no warm-up {lease_id!r} "
@@ -173,6 +186,7 @@ class WarmBody(BaseModel):
     messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    cache_salt: str | None = Field(default=None, description="As a completion's: only chunks of this salt are warmed.")
     ttl_s: float = Field(default=30.0, gt=0, le=3600)
     add_generation_prompt: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -184,6 +198,17 @@ class WarmBody(BaseModel):
         if len(given) != 1:
             raise ValueError(f"give exactly one of messages, prompt, prompt_token_ids (got {given or 'none'})")
         return self
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_as_vllm_takes_it(cls, salt: str | None) -> str | None:
+        from vllm.entrypoints.generate.base.protocol import validate_cache_salt
+
+        try:
+            validate_cache_salt(salt)
+        except Exception as err:  # (vLLM's VLLMValidationError: reported as the field's, as pydantic reports its own)
+            raise ValueError(str(err)) from None
+        return salt
 
 
 class WarmError(Exception):
@@ -197,63 +222,102 @@ def _error(status: int, message: str, kind: str) -> tuple[int, dict[str, Any]]:
 
 
 class WarmMiddleware:
-    """ASGI middleware for vLLM's OpenAI server (``--middleware kvprefetch.vllm.warm_api.WarmMiddleware``): serves
-    /v1/kvprefetch/warm[/{id}] and passes every other request through untouched."""
+    """ASGI middleware for vLLM's OpenAI server (``--middleware kvprefetch.vllm.warm_api.WarmMiddleware``): adds the
+    warm-up API's routes to vLLM's app the first time the server calls it (`install_routes`), and passes every
+    request through untouched.
+
+    A middleware named with ``--middleware`` wraps vLLM's own (its ``--api-key`` check among them): a route served
+    here, in front of them, would answer callers vLLM refuses. As routes of vLLM's app, behind its middleware, the
+    warm-up API refuses what ``/v1/completions`` refuses, with the same status."""
 
     def __init__(self, app: Any):
         self.app = app
+        self._installed = False
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        path = scope.get("path", "")
-        if scope.get("type") != "http" or not (path == PATH or path.startswith(PATH + "/")):
-            await self.app(scope, receive, send)
-            return
-        from starlette.requests import Request
-        from starlette.responses import JSONResponse
+        if not self._installed and scope.get("app") is not None:  # (Starlette puts its app in every scope)
+            install_routes(scope["app"])
+            self._installed = True
+        await self.app(scope, receive, send)
 
-        request = Request(scope, receive)
-        try:
-            status, body = await self._route(request, path[len(PATH) :].strip("/"))
-        except WarmError as err:
-            status, body = _error(err.status, str(err), err.kind)
-        await JSONResponse(body, status_code=status)(scope, receive, send)
 
-    async def _route(self, request: Any, lease_id: str) -> tuple[int, dict[str, Any]]:
-        method = request.method
-        if not lease_id and method == "POST":
-            return await self._warm(request)
-        if lease_id and method in ("GET", "DELETE"):
-            op = "status" if method == "GET" else "end"
-            return await self._engine(request, {"op": op, "id": lease_id})
-        allowed = "POST" if not lease_id else "GET, DELETE"
-        raise WarmError(405, f"{method} {request.url.path}: not allowed (use {allowed})", "MethodNotAllowed")
+def install_routes(app: Any) -> None:
+    """/v1/kvprefetch/warm[/{id}] as routes of vLLM's app (every method: a wrong one gets our 405, saying which)."""
+    methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+    app.router.add_route(PATH, warm_route, methods=methods, include_in_schema=False)
+    app.router.add_route(PATH + "/{lease_id}", warm_route, methods=methods, include_in_schema=False)
 
-    async def _warm(self, request: Any) -> tuple[int, dict[str, Any]]:
-        try:
-            body = WarmBody.model_validate(json.loads(await request.body()))
-        except (ValueError, ValidationError) as err:  # (JSONDecodeError is a ValueError)
-            raise WarmError(400, f"malformed warm-up body: {_short(err)}") from None
-        served = _served_models(request.app.state)
-        if body.model not in served:
-            raise WarmError(404, f"The model `{body.model}` does not exist (served: {', '.join(served)}).",
-                            "NotFoundError")  # fmt: skip
-        tokens = body.prompt_token_ids if body.prompt_token_ids is not None else await _tokenize(request, body)
-        lease_id = f"warm-{uuid.uuid4().hex[:16]}"
-        return await self._engine(request, {"op": "warm", "id": lease_id, "tokens": tokens, "ttl_s": body.ttl_s})
 
-    async def _engine(self, request: Any, call: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        import asyncio
+async def warm_route(request: Any) -> Any:
+    from starlette.responses import JSONResponse
 
-        name = socket_name(_engine_id(request.app.state))
-        try:
-            answer = await asyncio.to_thread(engine_call, name, call)
-        except OSError as err:
-            raise WarmError(503, f"kvprefetch's connector is not reachable in the engine ({err}): is the server "
-                                 "running with the kvprefetch connector?", "ServiceUnavailable") from None  # fmt: skip
-        status = int(answer.pop("status", 200))
-        if status != 200:
-            return _error(status, str(answer.get("error")), "NotFoundError" if status == 404 else "InternalError")
-        return status, answer
+    try:
+        status, body = await _route(request, str(request.path_params.get("lease_id", "")))
+    except WarmError as err:
+        status, body = _error(err.status, str(err), err.kind)
+    return JSONResponse(body, status_code=status)
+
+
+async def _route(request: Any, lease_id: str) -> tuple[int, dict[str, Any]]:
+    method = request.method
+    if not lease_id and method == "POST":
+        return await _warm(request)
+    if lease_id and method in ("GET", "DELETE"):
+        op = "status" if method == "GET" else "end"
+        return await _engine(request, {"op": op, "id": lease_id})
+    allowed = "POST" if not lease_id else "GET, DELETE"
+    raise WarmError(405, f"{method} {request.url.path}: not allowed (use {allowed})", "MethodNotAllowed")
+
+
+async def _warm(request: Any) -> tuple[int, dict[str, Any]]:
+    try:
+        body = WarmBody.model_validate(json.loads(await request.body()))
+    except (ValueError, ValidationError) as err:  # (JSONDecodeError is a ValueError)
+        raise WarmError(400, f"malformed warm-up body: {_short(err)}") from None
+    identity = {"cache_salt": body.cache_salt} | _adapter(request.app.state, body.model)
+    if body.messages is not None and any(_non_text(m) for m in body.messages):
+        raise WarmError(400, "messages with images, audio or video cannot be warmed: their placeholder tokens "
+                             "and content hashes come from vLLM's input processor, which the warm-up does not run")
+    tokens = body.prompt_token_ids if body.prompt_token_ids is not None else await _tokenize(request, body)
+    lease_id = f"warm-{uuid.uuid4().hex[:16]}"
+    return await _engine(request, {"op": "warm", "id": lease_id, "tokens": tokens, "ttl_s": body.ttl_s,
+                                   "identity": identity})  # fmt: skip
+
+
+def _non_text(message: dict[str, Any]) -> bool:
+    """Whether a chat message has content parts other than text (an image, audio, video, embeddings)."""
+    content = message.get("content")
+    return isinstance(content, list) and any(not (isinstance(p, dict) and p.get("type") == "text") for p in content)
+
+
+def _adapter(state: Any, model: str) -> dict[str, str]:
+    """The LoRA adapter a model name names, as vLLM resolves a completion's (none for the base model); 404 for a
+    name the server serves neither as a model nor as an adapter."""
+    served = _served_models(state)
+    if model in served:
+        return {}
+    lora = getattr(getattr(state, "openai_serving_models", None), "lora_requests", {}).get(model)
+    if lora is None:
+        adapters = sorted(getattr(getattr(state, "openai_serving_models", None), "lora_requests", {}))
+        raise WarmError(404, f"The model `{model}` does not exist (served: {', '.join(served + adapters)}).",
+                        "NotFoundError")  # fmt: skip
+    return {"lora_name": lora.lora_name, "lora_path": lora.lora_path}
+
+
+async def _engine(request: Any, call: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    import asyncio
+
+    name = socket_name(_engine_id(request.app.state))
+    try:
+        answer = await asyncio.to_thread(engine_call, name, call)
+    except OSError as err:
+        raise WarmError(503, f"kvprefetch's connector is not reachable in the engine ({err}): is the server "
+                             "running with the kvprefetch connector?", "ServiceUnavailable") from None  # fmt: skip
+    status = int(answer.pop("status", 200))
+    if status != 200:
+        kind = {404: "NotFoundError", 400: "BadRequestError", 422: "BadRequestError"}.get(status, "InternalError")
+        return _error(status, str(answer.get("error")), kind)
+    return status, answer
 
 
 def _short(err: Exception) -> str:
