@@ -270,11 +270,13 @@ def test_a_warm_up_counts_and_holds_only_its_own_identitys_chunks(stopped):
     for call in ("salted_alice", "salted_bob", "salted_no_salt", "adapted_base", "adapted_adapter"):
         assert api[call][0] == 200, (call, api[call])
     alice, bob, plain = (api[f"salted_{w}"][1] for w in ("alice", "bob", "no_salt"))
-    assert alice["chunks"] == 2 and alice["in_dram"] == 2 and alice["missing"] == 0, alice
+    assert alice["chunks"] >= 2 and alice["in_dram"] == alice["chunks"] and alice["missing"] == 0, alice
     for other in (bob, plain):
-        assert other["chunks"] == 2 and other["missing"] == 2 and other["in_dram"] == 0, other
+        assert other["chunks"] == alice["chunks"] and other["missing"] == other["chunks"], other
+        assert other["in_dram"] == other["on_disk"] == 0, other
     adapter, base = api["adapted_adapter"][1], api["adapted_base"][1]
-    assert adapter["in_dram"] == 2 and base["missing"] == 2 and base["in_dram"] == 0, (adapter, base)
+    assert adapter["chunks"] >= 2 and adapter["in_dram"] == adapter["chunks"], adapter
+    assert base["missing"] == base["chunks"] == adapter["chunks"] and base["in_dram"] == 0, base
     status, body = api["unknown_adapter"]
     assert status == 404 and "`nope` does not exist" in body["error"]["message"] and "ad" in body["error"]["message"]
     status, body = api["bad_salt"]
