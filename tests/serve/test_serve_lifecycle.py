@@ -1,8 +1,9 @@
 """`kvprefetch serve` as a user runs it: its warm-up API on vLLM's port (behind vLLM's `--api-key`, under each
-request's identity: a LoRA adapter, a cache salt), and however it is stopped, it leaves no DRAM pool (keep_idle_s
-0), no process, and every chunk it saved on disk.
+request's identity: a LoRA adapter, a cache salt, images on a vision-language model's server), and however it is
+stopped, it leaves no DRAM pool (keep_idle_s 0), no process, and every chunk it saved on disk.
 
-Three servers (each in its own session, as a service or a terminal runs it) serve one completion each and are
+Three servers (each in its own session, as a service or a terminal runs it; the second serves a tiny
+vision-language model) serve one completion each and are
 stopped three ways: SIGINT to the process group (Ctrl-C), SIGTERM to the process group (`systemctl stop`'s
 default, `kill -TERM -PGID`) and SIGTERM to the engine-core process alone. (SIGTERM to the main process, as
 `kill PID` and Kubernetes stop a server, is `tests/serve/test_openai_server.py`'s stop: every process detached
@@ -31,6 +32,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.adapters import make_adapter
+from tests.tiny_vlm import make_vlm
 
 from kvprefetch.bench.server import TINY_MODEL, free_port, metric_sum, parse_metrics, tiny_model_dir
 from kvprefetch.config import default_cache_dir
@@ -115,9 +117,34 @@ def _use_warm_api(port: int) -> dict[str, tuple[int, dict]]:
         api[f"adapted_{who}"] = _call(port, "POST", "/v1/kvprefetch/warm", {"model": model, "prompt": ADAPTED})
     api["unknown_adapter"] = _call(port, "POST", "/v1/kvprefetch/warm", {"model": "nope", "prompt": ADAPTED})
     api["bad_salt"] = _call(port, "POST", "/v1/kvprefetch/warm", {"model": "tiny", "prompt": "w5", "cache_salt": ""})
-    image = [{"type": "text", "text": "w5"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]
-    api["image"] = _call(port, "POST", "/v1/kvprefetch/warm", {"model": "tiny",
-                                                               "messages": [{"role": "user", "content": image}]})
+    return api
+
+
+def _image_message(seed: int) -> list[dict]:
+    """A user message of 300 words, an image (a data URL), 700 words."""
+    import base64
+    import io
+
+    from tests.tiny_vlm import FIRST_WORD_ID, make_image
+
+    png = io.BytesIO()
+    make_image(seed).save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    words = [f"w{FIRST_WORD_ID + i % 1500}" for i in range(1000)]
+    content = [{"type": "text", "text": " ".join(words[:300])}, {"type": "image_url", "image_url": {"url": url}},
+               {"type": "text", "text": " ".join(words[300:])}]  # fmt: skip
+    return [{"role": "user", "content": content}]
+
+
+def _use_warm_api_with_images(port: int) -> dict[str, tuple[int, dict]]:
+    """A vision-language model's server: a chat with one image computed, then warmed with that image and with
+    another behind the same words."""
+    api = {"chat": _call(port, "POST", "/v1/chat/completions", {"model": "tiny", "messages": _image_message(1),
+                                                                "max_tokens": 4}, key=None)}  # fmt: skip
+    time.sleep(0.5)  # the worker reports its saves with the step after
+    for who, seed in (("same_image", 1), ("other_image", 2)):
+        api[who] = _call(port, "POST", "/v1/kvprefetch/warm", {"model": "tiny", "messages": _image_message(seed)},
+                         key=None)  # fmt: skip
     return api
 
 
@@ -161,7 +188,8 @@ def stopped(tmp_path_factory) -> dict[str, Stopped]:
         for way in WAYS:
             pool, port = f"kvpt-stop-{uuid.uuid4().hex[:8]}", free_port()
             disk, log = work / way / "disk", work / f"{way}.log"
-            argv = [sys.executable, "-m", "kvprefetch.cli", "serve", "kvprefetch-tiny",
+            model = "kvprefetch-tiny" if way != WAYS[1] else make_vlm(str(work / "vlm"))["model"]
+            argv = [sys.executable, "-m", "kvprefetch.cli", "serve", model,
                     "--set", f"dram.pool_name={pool}", "--set", "dram.capacity_bytes=64MiB",
                     "--set", f"disk.path={disk}", "--set", "log_interval_s=0",
                     "--port", str(port), "--host", "127.0.0.1", "--served-model-name", "tiny",
@@ -170,6 +198,8 @@ def stopped(tmp_path_factory) -> dict[str, Stopped]:
             if way == WAYS[0]:  # the warm-up API's server: behind an API key, with an adapter
                 argv += ["--api-key", KEY, "--enable-lora", "--max-lora-rank", "8",
                          "--lora-modules", f"ad={make_adapter(work / 'ad', TINY_CONFIG, seed=1)}"]  # fmt: skip
+            if way == WAYS[1]:  # a vision-language model (random weights): the warm-up API with images
+                argv += ["--limit-mm-per-prompt", '{"image": 1}', "--enforce-eager", "--dtype", "float32"]
             with open(log, "w") as out:
                 proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                         env=dict(os.environ, PYTHONUNBUFFERED="1"))  # fmt: skip
@@ -188,7 +218,7 @@ def stopped(tmp_path_factory) -> dict[str, Stopped]:
         for way, (proc, port, pool, disk, log) in servers.items():
             _complete(port, key=KEY if way == WAYS[0] else None)
             time.sleep(0.5)  # the worker reports its saves with the step after
-            api = _use_warm_api(port) if way == WAYS[0] else {}
+            api = {WAYS[0]: _use_warm_api, WAYS[1]: _use_warm_api_with_images}.get(way, lambda _port: {})(port)
             saved = metric_sum(parse_metrics(_get(f"http://127.0.0.1:{port}/metrics").decode()),
                                "vllm:kvprefetch_saved_chunks_total")  # fmt: skip
             assert pool.exists(), f"{way}: the server's DRAM pool"
@@ -281,5 +311,14 @@ def test_a_warm_up_counts_and_holds_only_its_own_identitys_chunks(stopped):
     assert status == 404 and "`nope` does not exist" in body["error"]["message"] and "ad" in body["error"]["message"]
     status, body = api["bad_salt"]
     assert status == 400 and "cache_salt" in body["error"]["message"], body
-    status, body = api["image"]
-    assert status == 400 and "cannot be warmed" in body["error"]["message"], body
+
+
+def test_a_warm_up_with_images_finds_only_chunks_computed_with_those_images(stopped):
+    """The warm-up renders messages with images as the chat completion does (placeholder tokens, content hashes):
+    the image the chat computed is found whole in DRAM; another image behind the same words is not."""
+    api = stopped[WAYS[1]].api
+    assert api["chat"][0] == 200 and api["chat"][1]["choices"][0]["message"]["content"], api["chat"]
+    (code, same), (code2, other) = api["same_image"], api["other_image"]
+    assert code == code2 == 200, (same, other)
+    assert same["chunks"] >= 3 and same["in_dram"] == same["chunks"] and same["missing"] == 0, same
+    assert other["chunks"] == same["chunks"] and other["in_dram"] < same["chunks"] and other["on_disk"] == 0, other

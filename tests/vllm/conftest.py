@@ -136,7 +136,7 @@ class Engines:
 
     def vlm_dir(self) -> str:
         """The tiny vision-language model, saved once (beside the tests' Llama)."""
-        from tiny_vlm import make_vlm
+        from tests.tiny_vlm import make_vlm
 
         path = Path(self.model_dir).parent / "vlm"
         if not (path / "config.json").exists():

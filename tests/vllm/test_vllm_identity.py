@@ -175,7 +175,7 @@ def test_an_adapter_rebound_to_other_weights_across_a_restart_misses(engines, ad
 def test_two_images_behind_the_same_placeholder_tokens_never_share_kv(engines, tmp_path):
     """A tiny vision-language model (Idefics3): one image after 300 tokens, so chunk 0 holds no image. Another image
     behind the same tokens reuses chunk 0 and computes the rest; the same image again reuses every chunk."""
-    from tiny_vlm import FIRST_WORD_ID, IMAGE, PLACEHOLDER_IDS, make_image
+    from tests.tiny_vlm import FIRST_WORD_ID, IMAGE, PLACEHOLDER_IDS, make_image
 
     ref, e = engines.get("vlm_reference"), engines.get("vlm_tiers")
     words = [FIRST_WORD_ID + i % 1500 for i in range(300 + 700)]

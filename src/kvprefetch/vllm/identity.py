@@ -129,8 +129,6 @@ def request_identity(request: Any, block_size: int) -> Identity | Untiered:
         return Untiered("unknown_extra_key", ", ".join(sorted(unknown)))
     lora = request.lora_request
     mm = mm_items(request.mm_features or ())
-    if isinstance(mm, Untiered):
-        return mm
     named = named_identity(lora.lora_name if lora else None, lora.lora_path if lora else None, request.cache_salt, mm)
     if isinstance(named, Untiered) or request.prompt_embeds is None:
         return named
@@ -147,6 +145,8 @@ def named_identity(
 ) -> Identity | Untiered:
     """The identity of a prompt named by what a completion names (the adapter vLLM resolved its model name to, its
     cache salt, its multimodal items): what `request_identity` gives the request, and what the warm-up API keys."""
+    if any(not m.identifier for m in mm):
+        return Untiered("mm_unhashed", ", ".join(f"item at {m.offset}" for m in mm if not m.identifier))
     adapter: Adapter | None = None
     if lora_name is not None:
         fingerprint = adapter_fingerprint(lora_path) if lora_path else None
@@ -174,14 +174,10 @@ def _unknown_extra_keys(request: Any, block_size: int) -> set[str]:
     return {str(key[0]) if isinstance(key, tuple) and key else repr(key) for key in extra or ()} - KNOWN_EXTRA_KEYS
 
 
-def mm_items(features: Iterable[Any]) -> tuple[MMItem, ...] | Untiered:
-    """vLLM's multimodal features (``Request.mm_features``) as chunk keys name them."""
-    items = []
-    for f in features:
-        identifier = getattr(f, "identifier", None)
-        if not identifier:
-            return Untiered("mm_unhashed", str(getattr(f, "modality", "?")))
-        items.append(MMItem(str(identifier), int(f.mm_position.offset), int(f.mm_position.length)))
+def mm_items(features: Iterable[Any]) -> tuple[MMItem, ...]:
+    """vLLM's multimodal features (``Request.mm_features``) as chunk keys name them (an item without a content hash
+    has identifier "": `named_identity` refuses it)."""
+    items = [MMItem(str(f.identifier or ""), int(f.mm_position.offset), int(f.mm_position.length)) for f in features]
     return tuple(sorted(items, key=lambda m: m.offset))
 
 

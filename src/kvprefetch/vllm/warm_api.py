@@ -8,7 +8,9 @@ Served by `kvprefetch serve` on vLLM's own port (vLLM's ``--middleware``, no sec
     DELETE /v1/kvprefetch/warm/{id}   -> the lease ends
 
 A warm-up names its prompt's identity as the completion that follows will: ``model`` (the base model, or a LoRA
-adapter the server serves) and ``cache_salt``; its chunks are keyed under that identity (`kvprefetch.vllm.identity`),
+adapter the server serves), ``cache_salt``, and the images (audio, video) in its messages, rendered by vLLM's own
+renderer into their placeholder tokens and content hashes; its chunks are keyed under that identity
+(`kvprefetch.vllm.identity`),
 so a warm-up counts, reads and leases only the chunks a completion of that identity could load, never another
 tenant's or another adapter's. The routes are vLLM's own (added to its app, `install_routes`): every request to
 them passes through vLLM's middleware, its ``--api-key`` check included, as ``/v1/completions`` does.
@@ -41,7 +43,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kvprefetch.vllm.identity import Untiered, named_identity
+from kvprefetch.vllm.identity import MMItem, Untiered, named_identity
 
 log = logging.getLogger("kvprefetch.vllm")
 
@@ -126,7 +128,9 @@ def engine_handler(sched: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
             tokens = req.get("tokens")
             if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
                 return {"status": 400, "error": "tokens must be a list of token ids"}
-            identity = named_identity(**(req.get("identity") or {}))
+            who = dict(req.get("identity") or {})
+            who["mm"] = tuple(MMItem(str(i), int(o), int(n)) for i, o, n in who.get("mm") or ())
+            identity = named_identity(**who)
             if isinstance(identity, Untiered):  # (what a completion of it would be served as: without the tiers)
                 why = f"{identity.reason}: {identity.detail}"
                 return {"status": 422, "error": f"this prompt's chunks cannot be keyed ({why}): its requests are "
@@ -274,20 +278,14 @@ async def _warm(request: Any) -> tuple[int, dict[str, Any]]:
         body = WarmBody.model_validate(json.loads(await request.body()))
     except (ValueError, ValidationError) as err:  # (JSONDecodeError is a ValueError)
         raise WarmError(400, f"malformed warm-up body: {_short(err)}") from None
-    identity = {"cache_salt": body.cache_salt} | _adapter(request.app.state, body.model)
-    if body.messages is not None and any(_non_text(m) for m in body.messages):
-        raise WarmError(400, "messages with images, audio or video cannot be warmed: their placeholder tokens "
-                             "and content hashes come from vLLM's input processor, which the warm-up does not run")
-    tokens = body.prompt_token_ids if body.prompt_token_ids is not None else await _tokenize(request, body)
+    identity: dict[str, Any] = {"cache_salt": body.cache_salt} | _adapter(request.app.state, body.model)
+    if body.prompt_token_ids is not None:
+        tokens = body.prompt_token_ids
+    else:
+        tokens, identity["mm"] = await _tokenize(request, body)
     lease_id = f"warm-{uuid.uuid4().hex[:16]}"
     return await _engine(request, {"op": "warm", "id": lease_id, "tokens": tokens, "ttl_s": body.ttl_s,
                                    "identity": identity})  # fmt: skip
-
-
-def _non_text(message: dict[str, Any]) -> bool:
-    """Whether a chat message has content parts other than text (an image, audio, video, embeddings)."""
-    content = message.get("content")
-    return isinstance(content, list) and any(not (isinstance(p, dict) and p.get("type") == "text") for p in content)
 
 
 def _adapter(state: Any, model: str) -> dict[str, str]:
@@ -339,21 +337,63 @@ def _engine_id(state: Any) -> str:
     return str(config.engine_id)
 
 
-async def _tokenize(request: Any, body: WarmBody) -> list[int]:
-    """Tokens exactly as vLLM's tokenization service makes them for the next real request."""
+async def _tokenize(request: Any, body: WarmBody) -> tuple[list[int], list[list[Any]]]:
+    """Tokens exactly as vLLM's tokenization service makes them for the next real request, and its multimodal items
+    ([identifier, offset, length], in prompt order) as vLLM's input processor names them."""
     from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, TokenizeCompletionRequest
 
     service = request.app.state.serving_tokenization
     if body.messages is not None:
-        req: Any = TokenizeChatRequest(
+        chat = TokenizeChatRequest(
             model=body.model, messages=body.messages, add_generation_prompt=body.add_generation_prompt,
             chat_template_kwargs=body.chat_template_kwargs, tools=body.tools,
         )  # fmt: skip
-    else:
-        req = TokenizeCompletionRequest(model=body.model, prompt=body.prompt)
-    out = await service.create_tokenize(req, request)
+        return await _render_chat(request, service, chat)
+    out = await service.create_tokenize(TokenizeCompletionRequest(model=body.model, prompt=body.prompt), request)
     tokens = getattr(out, "tokens", None)
     if tokens is None:  # vLLM's ErrorResponse
-        err = getattr(out, "error", out)
-        raise WarmError(int(getattr(err, "code", 400) or 400), str(getattr(err, "message", err)))
-    return list(tokens)
+        _raise(out)
+    return list(tokens), []
+
+
+async def _render_chat(request: Any, service: Any, chat: Any) -> tuple[list[int], list[list[Any]]]:
+    """A chat body rendered as vLLM's tokenization service renders it for ``/tokenize`` (its template, its media
+    processing, without touching the multimodal cache the engine shares), keeping what ``/tokenize`` drops: the
+    content hash and placeholder range of each image, audio or video (`mm_items`)."""
+    error = await service._check_model(chat)
+    if error is None:
+        error = service.online_renderer.validate_chat_template(
+            request_chat_template=chat.chat_template, chat_template_kwargs=chat.chat_template_kwargs,
+            trust_request_chat_template=service.trust_request_chat_template,
+        )  # fmt: skip
+    if error is not None:
+        _raise(error)
+    tools = None if chat.tools is None else [tool.model_dump() for tool in chat.tools]
+    _, inputs = await service.online_renderer.preprocess_chat(
+        chat, chat.messages, default_template=service.chat_template,
+        default_template_content_format=service.chat_template_content_format,
+        default_template_kwargs=service.default_chat_template_kwargs, tool_dicts=tools, skip_mm_cache=True,
+    )  # fmt: skip
+    (engine_input,) = inputs
+    return list(engine_input["prompt_token_ids"]), mm_items(request.app.state, engine_input, chat.model)
+
+
+def mm_items(state: Any, engine_input: Any, model: str) -> list[list[Any]]:
+    """Each multimodal item of a rendered prompt as the engine will name it (`MultiModalFeatureSpec`): its content
+    hash (prefixed with the adapter's name where vLLM's tower LoRA makes the embeddings the adapter's) and its
+    placeholder range."""
+    if engine_input.get("type") != "multimodal":
+        return []
+    lora = getattr(getattr(state, "openai_serving_models", None), "lora_requests", {}).get(model)
+    lora_config = getattr(getattr(state, "vllm_config", None), "lora_config", None)
+    prefix = f"{lora.lora_name}:" if lora and getattr(lora_config, "enable_tower_connector_lora", False) else ""
+    items = []
+    for modality, hashes in engine_input["mm_hashes"].items():
+        for h, where in zip(hashes, engine_input["mm_placeholders"][modality], strict=True):
+            items.append([prefix + h, int(where.offset), int(where.length)])
+    return sorted(items, key=lambda item: item[1])
+
+
+def _raise(error: Any) -> None:
+    err = getattr(error, "error", error)  # (vLLM's ErrorResponse)
+    raise WarmError(int(getattr(err, "code", 400) or 400), str(getattr(err, "message", err)))
