@@ -519,3 +519,45 @@ def test_waiting_for_a_save_in_flight_is_set_when_vllm_first_asks():
     assert side.get_num_new_matched_tokens(r, 0) == (None, False) and side.counters.snapshot()["joined_saves"] == 1
     now[0] += 0.15  # past recomputing chunks 0 and 1: stop waiting, load what is there
     assert side.get_num_new_matched_tokens(r, 0) == (256, False)
+
+
+# ---- issue 59: a request never waits for KV without bound -------------------------------------------------------
+
+
+def empty_step(tokens: int = 0) -> SimpleNamespace:
+    """A step's output as vLLM builds it: nothing scheduled (or `tokens` of a running request's decode)."""
+    running = {"other": tokens} if tokens else {}
+    return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+                           num_scheduled_tokens=running, total_num_scheduled_tokens=tokens)  # fmt: skip
+
+
+def parked(side, store, keyer):
+    """A request parked on its 3 disk chunks, its load handed to the workers: (request, keys)."""
+    r, keys = arrive_with_head_on_disk(side, store, keyer)
+    r.num_preemptions = 0
+    assert side.get_num_new_matched_tokens(r, 0) == (768, True)
+    side.update_state_after_alloc(r, list(range(100, 109)), 768)
+    assert len(side.build_connector_meta(empty_step()).loads) == 1
+    return r, keys
+
+
+def test_a_request_asked_again_after_its_async_load_failed_is_not_parked_again():
+    """Issue 59: the workers reported the load finished with its first blocks failed (a damaged file they removed),
+    and vLLM asks again from token 0. vLLM still counts the request among its in-flight prefills, whose remaining
+    blocks an async admission must leave free: parked again, it needed its blocks twice over, never fitted, and
+    headed vLLM's queue of requests holding KV, so no request ran for minutes. It loads what DRAM holds in the
+    step instead (here: nothing, the scheduler's own index still lists the damaged chunk on disk)."""
+    side, store, keyer, _ = make_scheduler()
+    r, keys = parked(side, store, keyer)
+    store.handles[0].finished = True  # (its reads ended: DRAM was full)
+    side.update_connector_output(SimpleNamespace(finished_recving={r.request_id}))
+    assert side.get_num_new_matched_tokens(r, 0) == (0, False), "computes its prompt"
+    side.update_state_after_alloc(r, [], 0)
+    assert side.counters.snapshot()["reasked_unparked"] == 1
+    # what is in DRAM by then is loaded, inside the step
+    store.tiers[keys[0]] = "dram"
+    assert side.get_num_new_matched_tokens(r, 0) == (256, False)
+    # preempted since (vLLM dropped its reservation with its blocks): it may be parked again
+    r.num_preemptions = 1
+    store.tiers[keys[0]] = "disk"
+    assert side.get_num_new_matched_tokens(r, 0) == (768, True)

@@ -38,6 +38,11 @@ while the workers run a step, on the core the reads need.
 
 Saves are orthogonal to the phases: ``build_connector_meta`` saves every whole chunk a step completes (prompt
 and generated tokens), and ``request_finished`` holds the blocks (True) only while a save may still read them.
+
+A cache layer must never stop an engine (issue 59). A request is parked (answered "asynchronous") at most once per
+admission: vLLM asks again about a parked request only when its load failed, and it then keeps the request among
+its in-flight prefills, whose reservation counts the request's own blocks: parking it again would need room for
+them twice (`_unpark_cause`).
 """
 
 from __future__ import annotations
@@ -108,6 +113,7 @@ class _Plan:
     weighed: bool = False  # the rule weighed the hit: chunks [load, hit) are recomputed, their reads dropped
     skipped_slower: int = 0  # ... this many of them because reading them is slower (a disk probe may follow)
     finished_in_step: bool = False  # load_mode auto finishes its reads inside the step
+    unparked: str | None = None  # why it loads only what DRAM holds instead of parking (`_unpark_cause`)
 
     @property
     def loads(self) -> bool:
@@ -158,6 +164,8 @@ class _Req:
     saved_chunks: int = 0  # leading chunks known to be in the store (loaded, present or saved)
     saves_inflight: set[int] = field(default_factory=set)
     join_until: float | None = None  # (clock) how long it waits for a save of its next chunk still in flight
+    # vLLM's count of the request's preemptions when it admitted the request's last async load (None: none yet)
+    parked_preemptions: int | None = None
 
     def chunk_keys(self, first: int, end: int) -> list[list[bytes]]:
         return [k[first:end] for k in self.keys]
@@ -417,15 +425,35 @@ class SchedulerSide:
         first_reach = st.phase in (Phase.ARRIVED, Phase.PREFETCHING)
         if hit.num_chunks <= first:
             return _Plan(first, 0, hit=hit, first_reach=first_reach)
+        unparked = None
         if hit.below_dram(first, hit.num_chunks):
             rule, is_async = self.serve_late(st, hit, first)
+            unparked = self._unpark_cause(st, hit) if is_async else None
+            if unparked is not None:  # what DRAM holds, in the step; the rest is computed, its reads dropped
+                rule, is_async = _Rule(_in_dram_until(hit, first), weighed=True), False
         else:
             rule, is_async = self._weigh(st, hit, first, async_s=None), False
         k = rule.load_chunks
         below = hit.below_dram(first, k)
         in_step = self.settings.load_mode == "auto" and below > 0 and not is_async  # auto chose the step
         return _Plan(first, k, is_async, below, tuple(hit.tier(i) for i in range(k)), hit, first_reach,
-                     rule.weighed, rule.skipped_slower, in_step)  # fmt: skip
+                     rule.weighed, rule.skipped_slower, in_step, unparked)  # fmt: skip
+
+    def _unpark_cause(self, st: _Req, hit: _Hit) -> str | None:
+        """Why a request the rule would park must not be (None: it may be parked).
+
+        ``reasked``: vLLM admitted the request's last async load and asks about it again without having preempted
+        it since: that load failed at its first block, and vLLM keeps the request among its in-flight prefills,
+        whose reservation (the blocks each still needs to finish) an async admission must leave free. Parked
+        again, the request needs its own blocks twice over; where they do not fit (a prompt over half the free
+        KV), vLLM skips it every step, and at the head of its queue of requests holding KV, nothing behind it runs
+        either (issue 59: four sessions got no token for two minutes, vLLM logging "KV fetch: 2 waiting to
+        start"). It also asks about a hit that just failed: the chunk the workers found damaged (and removed) may
+        still be in this process's disk index, or read from a tier that failed again.
+        """
+        if st.parked_preemptions is not None and st.parked_preemptions == _preemptions(st.request):
+            return "reasked"
+        return None
 
     def serve_late(self, st: _Req, hit: _Hit, first: int) -> tuple[_Rule, bool]:
         """What happens to a request whose hit is not all in DRAM when the scheduler reaches it: its prefetch is
@@ -482,6 +510,9 @@ class SchedulerSide:
                     self.counters.inc("prefetch_cancelled_chunks", dropped)
         if plan.finished_in_step:
             self.counters.inc("finished_in_step")
+        if plan.unparked == "reasked":
+            self.counters.inc("reasked_unparked")
+            self.timeline.event("unparked", st.req_id, cause=plan.unparked)
 
     def _probe_disk(self, st: _Req, hit: _Hit, k: int) -> None:
         """The rule recomputes chunks [k, ...) of this hit: if some are on disk and the disk rate is stale, read
@@ -569,6 +600,7 @@ class SchedulerSide:
             job.awaits_prefetch = self._reads_in_flight(st)
             st.load = job
             st.load_settled = not job.awaits_prefetch
+            st.parked_preemptions = _preemptions(request)  # (`_unpark_cause`)
         else:
             st.step_reads = 0 if self._reads_in_flight(st) else plan.below_dram
             self._sync_planned.append(st)
@@ -822,6 +854,19 @@ class SchedulerSide:
 
     def end_lease(self, lease_id: str) -> bool:
         return self.leases.end(lease_id)
+
+
+def _in_dram_until(hit: _Hit, first: int) -> int:
+    """The end of the run of chunks from `first` on that are in DRAM on every rank."""
+    k = first
+    while k < hit.num_chunks and hit.in_dram(k):
+        k += 1
+    return k
+
+
+def _preemptions(request: Any) -> int:
+    """How often vLLM has preempted the request (`Request.num_preemptions`)."""
+    return int(getattr(request, "num_preemptions", 0) or 0)
 
 
 @dataclass(frozen=True)
