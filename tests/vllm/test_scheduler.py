@@ -561,3 +561,55 @@ def test_a_request_asked_again_after_its_async_load_failed_is_not_parked_again()
     r.num_preemptions = 1
     store.tiers[keys[0]] = "disk"
     assert side.get_num_new_matched_tokens(r, 0) == (768, True)
+    assert side.counters.snapshot()["stalls_released"] == 0
+
+
+def test_a_parked_load_unfinished_past_its_bound_is_released_to_compute(monkeypatch):
+    """The watchdog on parked loads: whatever holds one up, the workers are told to report it finished (what they
+    did not copy as load errors) once it has waited twice its prefix's recompute time, at least STALL_MIN_S."""
+    from kvprefetch.vllm import scheduler
+
+    monkeypatch.setattr(scheduler, "PARKED_WAIT_S", 0.001)
+    now = [0.0]
+    side, store, keyer, _ = make_scheduler(prefill_tps_prior=2560.0, clock=lambda: now[0])  # 768 tokens: 0.3 s
+    r, _ = parked(side, store, keyer)
+    now[0] = scheduler.STALL_MIN_S - 0.1
+    assert side.build_connector_meta(empty_step()).release_loads == []
+    now[0] = scheduler.STALL_MIN_S + 0.1
+    meta = side.build_connector_meta(empty_step())
+    assert meta.release_loads == [r.request_id]
+    assert store.handles[0].cancelled, "its reads still queued are dropped"
+    assert side.counters.snapshot()["stalls_released"] == 1
+    assert side.build_connector_meta(empty_step()).release_loads == [], "once"
+    side.update_connector_output(SimpleNamespace(finished_recving={r.request_id}))  # the workers let it go
+    assert side.get_num_new_matched_tokens(r, 0) == (0, False), "then computes, never parked again"
+    # a longer prefix on a slow engine waits longer, and never more than STALL_MAX_S
+    assert side._wait_bound_s(256) == scheduler.STALL_MIN_S
+    side.cost.prefill_tps.value = 100.0
+    assert side._wait_bound_s(256) == scheduler.STALL_MAX_S
+    side.cost.prefill_tps.value = 200.0
+    assert side._wait_bound_s(256) == 2.56
+
+
+def test_a_request_vllm_never_admits_while_the_engine_computes_nothing_is_answered_without_parking():
+    """The watchdog on waits to be admitted: vLLM is answered "wait" and skips the request every step. While other
+    requests run, it is short of blocks they will free; while nothing runs past the bound, it is stuck (a cause
+    not known here): the request is answered again without parking, and counted once vLLM admits it."""
+    from kvprefetch.vllm import scheduler
+
+    now = [0.0]
+    side, store, keyer, _ = make_scheduler(prefill_tps_prior=2560.0, clock=lambda: now[0])
+    r, _ = arrive_with_head_on_disk(side, store, keyer)
+    assert side.get_num_new_matched_tokens(r, 0) == (768, True)  # (vLLM cannot admit it: no alloc)
+    for _ in range(5):  # others run: a wait for blocks, however long
+        now[0] += scheduler.STALL_MAX_S
+        side.build_connector_meta(empty_step(tokens=1))
+        assert side.get_num_new_matched_tokens(r, 0) == (768, True)
+    side.build_connector_meta(empty_step())  # nothing runs from here on
+    now[0] += scheduler.STALL_MIN_S - 0.1
+    assert side.get_num_new_matched_tokens(r, 0) == (768, True)
+    now[0] += 0.2
+    assert side.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert side.counters.snapshot()["stalls_released"] == 0, "counted when vLLM admits it on that answer"
+    side.update_state_after_alloc(r, [], 0)
+    assert side.counters.snapshot()["stalls_released"] == 1

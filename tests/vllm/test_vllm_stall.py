@@ -14,8 +14,9 @@ The stall the soak met (damaged chunk files, then a full disk, four sessions), b
   corrupt and removes it, and the load fails at its first block: vLLM frees the request's blocks and asks again.
   The scheduler's process never read that file: its disk index still lists the chunk, a hit again.
 
-On 10889fb the engine never answered (the generate timed out after 30 s, the long request asked about 3,000
-times a second, the three others loaded and waiting behind it).
+On 10889fb the engine never answered (the first test's generate timed out after 30 s, the long request asked
+about 3,000 times a second, the three others loaded and waiting behind it). The second test holds a load up with
+reads that do not return: the connector's watchdog releases it within its bound.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from kvprefetch.bench import protocol as P
 from kvprefetch.bench.client import EngineError
 from kvprefetch.config import StoreConfig
 from kvprefetch.store import TieredStore
+from kvprefetch.vllm import scheduler
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -47,7 +49,7 @@ BOUND_S = 30.0  # the issue's bound on any request outside a restart
 
 class Node:
     """An engine as the soak's server (an 18 MiB KV cache, four sequences, async loads) and a second process on
-    its DRAM pool (the test), which can fill the pool with pinned chunks."""
+    its DRAM pool (the test), which can fill the pool with pinned chunks or hold chunks mid-write."""
 
     def __init__(self, model_dir: str, logs: Path, disk: Path, pools: list[str], **extra):
         self.disk = disk
@@ -57,6 +59,7 @@ class Node:
         self.engine = Engine(spec, logs / f"stall-{uuid.uuid4().hex[:6]}.log")
         dram = {"pool_name": cfg["dram"]["pool_name"], "capacity_bytes": cfg["dram"]["capacity_bytes"]}
         self.other = TieredStore(StoreConfig.load(tiers=["dram"], dram=dram), chunk_bytes=CHUNK_MIB << 20)
+        self.writing: list[int] = []
 
     def cached_on_disk(self, prompts: list[list[int]]) -> list[P.Completion]:
         """Compute the prompts (their chunks saved to DRAM and disk), then leave them on disk only."""
@@ -77,6 +80,13 @@ class Node:
             self.other.pin([key])
         assert self.other.dram.unpinned_ticks() == {}, "a DRAM slot is still free for the engine"
 
+    def hold_mid_write(self, keys: list[bytes]) -> None:
+        """Start writing the keys into DRAM and never finish: every read of them joins this write and waits."""
+        for key in keys:
+            slot = self.other.dram.allocate(key, CHUNK_MIB << 20)
+            assert slot is not None
+            self.writing.append(slot)
+
     def counters(self) -> dict[str, int]:
         return self.engine.counters().counters
 
@@ -89,6 +99,8 @@ class Node:
         return out, time.monotonic() - t0
 
     def close(self, ok: bool) -> None:
+        for slot in self.writing:
+            self.other.dram.abort(slot)
         self.other.close()
         if ok:
             self.engine.close()
@@ -138,4 +150,23 @@ def test_a_request_whose_async_load_failed_computes_its_prompt_and_the_engine_go
     after = n.counters()
     assert after["load_error_chunks"] > before["load_error_chunks"], "the load did fail: the case is real"
     assert after["reasked_unparked"] - before["reasked_unparked"] == 1, "asked again: not parked again"
+    assert after["stalls_released"] == before["stalls_released"], "no watchdog needed: the cause is handled"
+    state["ok"] = True
+
+
+def test_a_load_held_up_by_reads_that_never_return_is_released_within_its_bound(node):
+    """The watchdog: the prompt's chunks are mid-write in another process that never finishes, and the engine's
+    reads join those writes (for up to a minute: io.join_timeout_s). The parked request is released to compute
+    once it has waited its bound, the other sessions' requests are answered beside it."""
+    make, state = node
+    n = make(load_policy="always", io={"read_rate_limit_bps": 200_000_000, "join_timeout_s": 60.0})
+    long_p, others = prompt(5911, LONG), [prompt(5912 + k, SHORT) for k in range(3)]
+    computed = n.cached_on_disk([long_p])
+    n.hold_mid_write(n.keys(long_p))
+    before = n.counters()
+    again, took = n.generate_within([long_p, *others], BOUND_S)
+    same(again[:1], computed)
+    assert took < scheduler.STALL_MAX_S + 10.0, f"{took:.1f} s: released within its bound (and a recompute)"
+    after = n.counters()
+    assert after["stalls_released"] - before["stalls_released"] == 1
     state["ok"] = True
