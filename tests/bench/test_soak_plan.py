@@ -15,6 +15,7 @@ from kvprefetch.bench.soak_report import (
     SoakResult,
     by_condition,
     count_log_lines,
+    stall_table,
     windows,
 )
 
@@ -140,3 +141,39 @@ def test_a_damaged_file_shows_when_it_is_first_read_even_during_a_later_fault():
     assert r.shown(r.faults[2]) == 3
     assert r.fault_moved(r.faults[1]).get("err/disk/no_space") == 20  # other kinds keep their own windows
     assert {name: ok for name, ok, _ in r.checks()}["damage in /metrics"]
+
+
+def test_a_hang_is_a_stall_with_the_faults_around_it_not_two_failed_requests():
+    """Issue 59's run, by hand: four sessions answered every few seconds until 185.7 s, then four requests with no
+    first token: two gave up at the client's 120 s, two were answered as the run stopped. Its line read like two
+    unlucky requests; it is a 120 s stall, the faults before it listed beside it, and the run fails on it."""
+    r = SoakResult(300, ("damage", "disk_full", "server_kill"))
+    r.faults = [FaultRecord("server_kill", 40.0, 70.0, "x"), FaultRecord("damage", 178.0, 178.5, "x"),
+                FaultRecord("disk_full", 178.5, 208.8, "x"), FaultRecord("gc", 250.0, 251.0, "x")]  # fmt: skip
+    for k in range(4):  # calm: each session answered in 0.5 s, a request every 2 s
+        r.answers += [Answer(t + k * 0.3, t + k * 0.3 + 0.5, 0.2, True, True) for t in range(0, 184, 2)]
+    r.answers += [Answer(45.0, 46.0, None, False, None)]  # in the restart: apart, and no stall either
+    r.answers += [Answer(185.7, 305.7, None, False, None), Answer(185.9, 305.9, None, False, None),
+                  Answer(186.0, 305.4, 119.4, True, True), Answer(186.1, 305.8, 119.7, True, True)]  # fmt: skip
+    assert [(round(a), round(b)) for a, b in r.stalls()] == [(186, 305)]
+    assert round(r.stalled_s()) == 120 and r.max_ttft_s() == 119.7 and len(r.slow()) == 4
+    line = r.summary()
+    assert "failed=2 " in line and "stalled_s=120 " in line and "max_ttft_s=119.7 " in line
+    failed = {name for name, ok, _ in r.checks() if not ok}
+    assert {"no stall (15 s with requests outstanding and none answered)",
+            "every request outside restarts answered within 30 s"} <= failed  # fmt: skip
+    table = stall_table(r)
+    assert "| 185.7 | 305.4 |" in table and "damage 178.0-178.5 s; disk_full 178.5-208.8 s" in table
+    assert "gc 250.0-251.0 s" in table and "server_kill" not in table
+
+
+def test_a_server_restart_or_a_short_wait_is_no_stall():
+    r = SoakResult(200, ("server_kill",))
+    r.faults = [FaultRecord("server_kill", 100.0, 150.0, "x")]
+    r.answers = [Answer(t, t + 0.5, 0.2, True, True) for t in range(0, 100, 2)]
+    r.answers += [Answer(99.0, 157.0, None, False, None)]  # held by the restart: apart
+    r.answers += [Answer(160.0, 172.0, 11.0, True, True)]  # 12 s with nothing else answered: no stall, not slow
+    r.answers += [Answer(t, t + 0.5, 0.2, True, True) for t in range(174, 200, 2)]
+    assert r.stalls() == [] and r.slow() == [] and r.max_ttft_s() == 11.0
+    assert all(ok for name, ok, _ in r.checks() if "stall" in name or "within" in name)
+    assert stall_table(r) == ""

@@ -518,3 +518,97 @@ def test_waiting_for_a_save_in_flight_is_set_when_vllm_first_asks():
     assert side.get_num_new_matched_tokens(r, 0) == (None, False) and side.counters.snapshot()["joined_saves"] == 1
     now[0] += 0.15  # past recomputing chunks 0 and 1: stop waiting, load what is there
     assert side.get_num_new_matched_tokens(r, 0) == (256, False)
+
+
+# ---- issue 59: a request never waits for KV without bound -------------------------------------------------------
+
+
+def empty_step(tokens: int = 0) -> SimpleNamespace:
+    """A step's output as vLLM builds it: nothing scheduled (or `tokens` of a running request's decode)."""
+    running = {"other": tokens} if tokens else {}
+    return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+                           num_scheduled_tokens=running, total_num_scheduled_tokens=tokens)  # fmt: skip
+
+
+def parked(side, store, keyer):
+    """A request parked on its 3 disk chunks, its load handed to the workers: (request, keys)."""
+    r, keys = arrive_with_head_on_disk(side, store, keyer)
+    r.num_preemptions = 0
+    assert side.get_num_new_matched_tokens(r, 0) == (768, True)
+    side.update_state_after_alloc(r, list(range(100, 109)), 768)
+    assert len(side.build_connector_meta(empty_step()).loads) == 1
+    return r, keys
+
+
+def test_a_request_asked_again_after_its_async_load_failed_is_not_parked_again():
+    """Issue 59: the workers reported the load finished with its first blocks failed (a damaged file they removed),
+    and vLLM asks again from token 0. vLLM still counts the request among its in-flight prefills, whose remaining
+    blocks an async admission must leave free: parked again, it needed its blocks twice over, never fitted, and
+    headed vLLM's queue of requests holding KV, so no request ran for minutes. It loads what DRAM holds in the
+    step instead (here: nothing, the scheduler's own index still lists the damaged chunk on disk)."""
+    side, store, keyer, _ = make_scheduler()
+    r, keys = parked(side, store, keyer)
+    store.handles[0].finished = True  # (its reads ended: DRAM was full)
+    side.update_connector_output(SimpleNamespace(finished_recving={r.request_id}))
+    assert side.get_num_new_matched_tokens(r, 0) == (0, False), "computes its prompt"
+    side.update_state_after_alloc(r, [], 0)
+    assert side.counters.snapshot()["reasked_unparked"] == 1
+    # what is in DRAM by then is loaded, inside the step
+    store.tiers[keys[0]] = "dram"
+    assert side.get_num_new_matched_tokens(r, 0) == (256, False)
+    # preempted since (vLLM dropped its reservation with its blocks): it may be parked again
+    r.num_preemptions = 1
+    store.tiers[keys[0]] = "disk"
+    assert side.get_num_new_matched_tokens(r, 0) == (768, True)
+    assert side.counters.snapshot()["stalls_released"] == 0
+
+
+def test_a_parked_load_unfinished_past_its_bound_is_released_to_compute(monkeypatch):
+    """The watchdog on parked loads: whatever holds one up, the workers are told to report it finished (what they
+    did not copy as load errors) once it has waited twice its prefix's recompute time, at least STALL_MIN_S."""
+    from kvprefetch.vllm import scheduler
+
+    monkeypatch.setattr(scheduler, "PARKED_WAIT_S", 0.001)
+    now = [0.0]
+    side, store, keyer, _ = make_scheduler(prefill_tps_prior=2560.0, clock=lambda: now[0])  # 768 tokens: 0.3 s
+    r, _ = parked(side, store, keyer)
+    now[0] = scheduler.STALL_MIN_S - 0.1
+    assert side.build_connector_meta(empty_step()).release_loads == []
+    now[0] = scheduler.STALL_MIN_S + 0.1
+    meta = side.build_connector_meta(empty_step())
+    assert meta.release_loads == [r.request_id]
+    assert store.handles[0].cancelled, "its reads still queued are dropped"
+    assert side.counters.snapshot()["stalls_released"] == 1
+    assert side.build_connector_meta(empty_step()).release_loads == [], "once"
+    side.update_connector_output(SimpleNamespace(finished_recving={r.request_id}))  # the workers let it go
+    assert side.get_num_new_matched_tokens(r, 0) == (0, False), "then computes, never parked again"
+    # a longer prefix on a slow engine waits longer, and never more than STALL_MAX_S
+    assert side._wait_bound_s(256) == scheduler.STALL_MIN_S
+    side.cost.prefill_tps.value = 100.0
+    assert side._wait_bound_s(256) == scheduler.STALL_MAX_S
+    side.cost.prefill_tps.value = 200.0
+    assert side._wait_bound_s(256) == 2.56
+
+
+def test_a_request_vllm_never_admits_while_the_engine_computes_nothing_is_answered_without_parking():
+    """The watchdog on waits to be admitted: vLLM is answered "wait" and skips the request every step. While other
+    requests run, it is short of blocks they will free; while nothing runs past the bound, it is stuck (a cause
+    not known here): the request is answered again without parking, and counted once vLLM admits it."""
+    from kvprefetch.vllm import scheduler
+
+    now = [0.0]
+    side, store, keyer, _ = make_scheduler(prefill_tps_prior=2560.0, clock=lambda: now[0])
+    r, _ = arrive_with_head_on_disk(side, store, keyer)
+    assert side.get_num_new_matched_tokens(r, 0) == (768, True)  # (vLLM cannot admit it: no alloc)
+    for _ in range(5):  # others run: a wait for blocks, however long
+        now[0] += scheduler.STALL_MAX_S
+        side.build_connector_meta(empty_step(tokens=1))
+        assert side.get_num_new_matched_tokens(r, 0) == (768, True)
+    side.build_connector_meta(empty_step())  # nothing runs from here on
+    now[0] += scheduler.STALL_MIN_S - 0.1
+    assert side.get_num_new_matched_tokens(r, 0) == (768, True)
+    now[0] += 0.2
+    assert side.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert side.counters.snapshot()["stalls_released"] == 0, "counted when vLLM admits it on that answer"
+    side.update_state_after_alloc(r, [], 0)
+    assert side.counters.snapshot()["stalls_released"] == 1

@@ -271,6 +271,43 @@ def test_a_cancelled_async_load_stops_and_reports_finished_with_nothing_to_recom
     assert until(lambda: worker.get_finished(set())[1]) == {"s"} and worker.get_block_ids_with_load_errors() == set()
 
 
+def test_a_released_async_load_is_reported_at_once_and_copies_nothing_more(stores, workers, monkeypatch):
+    """Issue 59: the scheduler releases a load past its request's bound (here a read that does not return). The
+    worker reports it finished at once, the chunks it had not copied as load errors (vLLM computes them), and a
+    load queued behind it on the async-load thread too; the stuck thread, once its read returns, copies nothing
+    into blocks vLLM may have handed to another request, and reports nothing more."""
+    writer = stores()
+    source = [torch.randn(NUM_BLOCKS, HEADS, BLOCK, DIM) for _ in range(LAYERS)]
+    images = chunks_of(source, [[0, 1], [2, 3]])
+    writer.put(KEYS[:2], images).result(timeout=10)  # on disk
+    store = stores()  # the worker's pool: chunk 0 in DRAM, chunk 1 on disk only
+    store.put(KEYS[:1], images[:1]).result(timeout=10)
+    worker, layers = workers(store)
+    before = [t.clone() for t in layers]
+    gate = threading.Event()
+    read = store.get_into
+
+    def stuck(keys, buffers):
+        gate.wait(10)
+        return read(keys, buffers)
+
+    monkeypatch.setattr(store, "get_into", stuck)
+    job = LoadJob("r", [KEYS[:2]], [[4, 5], [6, 7]], is_async=True)  # nothing to wait for: reads chunk 1 at once
+    queued = LoadJob("q", [KEYS[:1]], [[8, 9]], is_async=True)  # behind it on the one async-load thread
+    step(worker, KVPrefetchMetadata(loads=[job, queued]))
+    until(lambda: worker.loader._active["r"].copied == 1)  # chunk 0 is in, chunk 1's read hangs
+    t0 = time.monotonic()
+    assert step(worker, KVPrefetchMetadata(release_loads=["r", "q"]))[1] == {"r", "q"}
+    assert time.monotonic() - t0 < 1.0, "not waiting for the read"
+    assert worker.get_block_ids_with_load_errors() == {6, 7, 8, 9}, "what was not copied: vLLM computes it"
+    assert same_blocks(layers, [4, 5], source, [0, 1])
+    gate.set()
+    until(lambda: worker.loader._inflight == 0)
+    assert same_blocks(layers, [6, 7, 8, 9], before, [6, 7, 8, 9]), "nothing copied after the release"
+    assert step(worker, KVPrefetchMetadata()) == (None, None), "reported once"
+    assert worker.counters.snapshot()["load_error_chunks"] == 2
+
+
 def test_an_empty_step_never_blocks_the_engine_on_a_parked_load(stores, workers):
     """An empty step waits a few ms at most for a parked load (vLLM's engine core spins meanwhile; the long wait
     is the scheduler's, `SchedulerSide._wait_parked`)."""

@@ -1,6 +1,8 @@
 """What a serving soak found: its records (answers, faults, resource and metric samples), the checks issue 40 sets
-(nothing failed, nothing wrong, nothing leaked, nothing hidden) judged on them, one summary line, a per-fault
-table (TTFT and hits during each kind of fault beside the calm windows) and the timeline plot.
+(nothing failed, nothing wrong, nothing leaked, nothing hidden) and issue 59's (the server never stopped: no stretch
+of `STALL_WINDOW_S` with requests outstanding and none answered, no request slower than `SLOW_S`, both outside the
+server's own restarts) judged on them, one summary line, a per-fault table (TTFT and hits during each kind of fault
+beside the calm windows), each stall with the faults around it, and the timeline plot.
 
 Pure functions of the records: the soak (`kvprefetch.bench.soak_serve`) fills them, tests build them by hand.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +19,12 @@ import numpy as np
 SETTLE_S = 10.0  # a fault's effects are read until this long after it ended
 MIN_LIFE_S = 120.0  # growth is judged over a server life at least this long (a restarted server warms up again)
 GROWTH_LIMIT_PCT = 5.0
+# Issue 59: a hang read as two failed requests. Requests outstanding and none answered for this long is a stall (an
+# answer takes ~0.1-2 s here; a restart's window is apart), and no request outside a restart may take longer than
+# SLOW_S (the client gives up only at 120 s).
+STALL_WINDOW_S = 15.0
+SLOW_S = 30.0
+STALL_CONTEXT_S = 30.0  # a stall's table lists the faults from this long before it to its end
 RESTART_KINDS = ("server_term", "server_kill")
 # Where each kind of fault must show in /metrics (vllm:kvprefetch_tier_errors_total{tier, kind}).
 VISIBLE_AS: dict[str, tuple[str, ...]] = {
@@ -103,6 +112,39 @@ class SoakResult:
     def wrong(self) -> int:
         return sum(a.right is False for a in self.answers)
 
+    # ---- progress ---------------------------------------------------------------------------------------------
+    def stalls(self, window_s: float = STALL_WINDOW_S) -> list[tuple[float, float]]:
+        """(from, to) of every stretch of at least `window_s` during which some request was outstanding and none
+        was answered, outside the server's own restart windows (as `apart` counts them)."""
+        busy: list[list[float]] = []
+        for t0, t1 in sorted((a.t, a.t_end) for a in self.answers):
+            if busy and t0 <= busy[-1][1]:
+                busy[-1][1] = max(busy[-1][1], t1)
+            else:
+                busy.append([t0, t1])
+        answered = sorted(a.t_end for a in self.answers if a.ok)
+        restarts = sorted((f.start_s, f.end_s + 5.0) for f in self.faults if f.restart)
+        out = []
+        for b0, b1 in busy:
+            cuts = [b0, *(t for t in answered if b0 < t < b1), b1]
+            for s0, s1 in pairwise(cuts):
+                out += [(p0, p1) for p0, p1 in _minus((s0, s1), restarts) if p1 - p0 >= window_s]
+        return out
+
+    def stalled_s(self) -> float:
+        return sum(t1 - t0 for t0, t1 in self.stalls())
+
+    def took_s(self, a: Answer) -> float:
+        """How long the request waited: its TTFT when answered, else until it failed."""
+        return a.ttft_s if a.ok and a.ttft_s is not None else a.t_end - a.t
+
+    def slow(self, limit_s: float = SLOW_S) -> list[Answer]:
+        """Requests outside the server's restarts that waited longer than `limit_s`."""
+        return [a for a in self.counted() if self.took_s(a) > limit_s]
+
+    def max_ttft_s(self) -> float:
+        return max((a.ttft_s for a in self.counted() if a.ok and a.ttft_s is not None), default=0.0)
+
     # ---- growth -----------------------------------------------------------------------------------------------
     def growth_window(self) -> tuple[float, float] | None:
         """Where growth is judged: the second half of the last server life (the run's second half when the server
@@ -183,9 +225,15 @@ class SoakResult:
     # ---- the checks ---------------------------------------------------------------------------------------------
     def checks(self, min_per_kind: int = 2) -> list[tuple[str, bool, str]]:
         """(name, passed, detail) for every check issue 40 sets that this run can judge."""
+        stalls, slow = self.stalls(), self.slow()
         out = [
             ("no failed request outside restarts", self.failed() == 0, f"{self.failed()} failed"),
             ("no wrong answer", self.wrong() == 0, f"{self.wrong()} wrong"),
+            (f"no stall ({STALL_WINDOW_S:.0f} s with requests outstanding and none answered)", not stalls,
+             "; ".join(f"{t1 - t0:.0f} s from {t0:.1f} s" for t0, t1 in stalls) or "none"),
+            (f"every request outside restarts answered within {SLOW_S:.0f} s", not slow,
+             f"{len(slow)} slower (the slowest {max(map(self.took_s, slow), default=0.0):.1f} s); max TTFT "
+             f"{self.max_ttft_s():.1f} s"),
             ("no DRAM pool left after the stop", not self.shm_left, ", ".join(self.shm_left) or "none"),
         ]
         for kind in self.kinds:
@@ -222,8 +270,23 @@ class SoakResult:
         ratio = hits / moved["prompt"] if moved.get("prompt") else 0.0
         apart = len(self.answers) - len(self.counted())
         return (f"soak-serve: seconds={self.seconds:.0f} requests={len(self.counted())} failed={self.failed()} "
-                f"wrong={self.wrong()} faults={len(self.faults)} apart={apart} {growth} "
+                f"wrong={self.wrong()} stalled_s={self.stalled_s():.0f} max_ttft_s={self.max_ttft_s():.1f} "
+                f"faults={len(self.faults)} apart={apart} {growth} "
                 f"shm_left={len(self.shm_left)} hit_ratio={ratio:.2f}")  # fmt: skip
+
+
+def _minus(span: tuple[float, float], holes: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of span outside every hole (holes sorted by start)."""
+    out, t0 = [], span[0]
+    for h0, h1 in holes:
+        if h1 <= t0 or h0 >= span[1]:
+            continue
+        if h0 > t0:
+            out.append((t0, h0))
+        t0 = max(t0, h1)
+    if t0 < span[1]:
+        out.append((t0, span[1]))
+    return out
 
 
 # Log lines that name a fault (counted over every server log of the run), and how many one fault may take: the
@@ -319,6 +382,23 @@ def condition_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def stall_table(result: SoakResult) -> str:
+    """Each stall (`SoakResult.stalls`) with the faults around it (from `STALL_CONTEXT_S` before it to its end) and
+    the requests it held; empty when there was none."""
+    stalls = result.stalls()
+    if not stalls:
+        return ""
+    lines = [f"Stalls: {STALL_WINDOW_S:.0f} s or more with requests outstanding and none answered (outside the "
+             "server's restarts).", "",
+             "| from s | to s | seconds | requests held | faults around it |", "|---:|---:|---:|---:|---|"]  # fmt: skip
+    for t0, t1 in stalls:
+        held = sum(a.t < t1 and a.t_end > t0 for a in result.answers)
+        near = [f for f in result.faults if f.start_s <= t1 and f.end_s >= t0 - STALL_CONTEXT_S]
+        faults = "; ".join(f"{f.kind} {f.start_s:.1f}-{f.end_s:.1f} s" for f in near) or "none"
+        lines.append(f"| {t0:.1f} | {t1:.1f} | {t1 - t0:.1f} | {held} | {faults} |")
+    return "\n".join(lines)
+
+
 # ---- timeline -----------------------------------------------------------------------------------------------------
 def windows(answers: list[Answer], width_s: float = 10.0) -> list[tuple[float, float, float]]:
     """(window start, TTFT p50, TTFT p99) per `width_s` window of the answers that completed."""
@@ -345,7 +425,9 @@ def plot_timeline(result: SoakResult, path: Path) -> str:
         for i, f in enumerate(x for x in result.faults if x.kind == kind):
             ax.axvspan(f.start_s, max(f.end_s, f.start_s + 1.0), color=COLORS.get(kind, "gray"), alpha=0.25,
                        label=kind if i == 0 else None)  # fmt: skip
-    ax.set_xlabel("seconds into the run (shaded: faults)")
+    for i, (t0, t1) in enumerate(result.stalls()):
+        ax.axvspan(t0, t1, facecolor="none", edgecolor="red", hatch="//", label="stall" if i == 0 else None)
+    ax.set_xlabel("seconds into the run (shaded: faults; hatched: stalls)")
     ax.set_ylabel("TTFT per 10 s window (ms)")
     ax.set_yscale("log")
     rss = ax.twinx()

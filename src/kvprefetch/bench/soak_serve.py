@@ -47,6 +47,7 @@ from kvprefetch.bench.soak_report import (
     condition_table,
     count_log_lines,
     plot_timeline,
+    stall_table,
 )
 from kvprefetch.tiers.dram import SHM_DIR
 
@@ -218,7 +219,8 @@ class Soak:
                "shm_left": r.shm_left, "samples": [asdict(s) for s in r.samples],
                "metrics": [asdict(m) for m in r.metrics], "answers": [asdict(a) for a in r.answers]}  # fmt: skip
         (self.out / "summary.json").write_text(json.dumps(doc, indent=1))
-        (self.out / "conditions.md").write_text(condition_table(rows) + "\n")
+        stalls = stall_table(r)
+        (self.out / "conditions.md").write_text(condition_table(rows) + "\n" + (f"\n{stalls}\n" if stalls else ""))
         plot_timeline(r, self.out / "timeline.png")
 
 
@@ -250,6 +252,8 @@ def soak_serve(
     result = Soak(seconds, out, seed, sessions, _kinds(faults), full_s).run()
     print(result.summary())
     print(condition_table(by_condition(result)))
+    if stalls := stall_table(result):
+        print(stalls)
     failed = [(n, d) for n, ok, d in result.checks() if not ok]
     for name, detail in failed:
         print(f"FAILED: {name}: {detail}")

@@ -54,10 +54,13 @@ class KVPrefetchMetadata(KVConnectorMetadata):
     settled: list[str] = field(default_factory=list)
     # Async loads of requests that finished first: stop copying.
     cancel_loads: list[str] = field(default_factory=list)
+    # Async loads past their request's deadline (`SchedulerSide._release_late_loads`): report them finished now,
+    # the chunks not copied yet as load errors (vLLM computes them), and copy nothing more.
+    release_loads: list[str] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not (self.loads or self.saves or self.await_saves or self.preempted or self.settled
-                    or self.cancel_loads)
+                    or self.cancel_loads or self.release_loads)
 
 
 @dataclass

@@ -53,6 +53,11 @@ COUNTERS: dict[str, str] = {
     "warm_calls": "Warm-up calls (POST /v1/kvprefetch/warm, or SchedulerSide.warm).",
     "warm_read_chunks": "Chunks a warm-up call started reading into DRAM.",
     "joined_saves": "Requests that waited for a save of their own prefix still in flight instead of recomputing.",
+    "reasked_unparked": "Requests vLLM asked about again after their async load failed: loaded what DRAM held in "
+    "the step and computed the rest (parked again, vLLM would reserve their blocks twice: issue 59).",
+    "stalls_released": "Requests that waited for KV past their bound (twice their prefix's recompute time, within a "
+    "few seconds) and computed their prefix instead: a parked load unfinished, or never admitted while the engine "
+    "computed nothing (the watchdog; its cause is logged once per episode).",
     "hit_tokens_dram": "Prompt tokens loaded into the engine from the DRAM tier.",
     "hit_tokens_disk": "Prompt tokens loaded into the engine from the disk tier (read up through DRAM).",
     "hit_tokens_remote": "Prompt tokens loaded into the engine from the remote tier (read up through DRAM).",

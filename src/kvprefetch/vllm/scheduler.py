@@ -17,7 +17,7 @@ The life of a request is a small state machine (`Phase`)::
                       LOADING                                (the job goes to the workers)
                          │
           sync: the step ran / async: the workers report it finished
-                         │
+                         │                                   (or past its bound, released: `_release_late_loads`)
                        DONE
 
     any phase ──request finished──> FINISHED   (prefetch reads cancelled, an async load told to stop)
@@ -38,10 +38,19 @@ while the workers run a step, on the core the reads need.
 
 Saves are orthogonal to the phases: ``build_connector_meta`` saves every whole chunk a step completes (prompt
 and generated tokens), and ``request_finished`` holds the blocks (True) only while a save may still read them.
+
+A cache layer must never stop an engine (issue 59). A request is parked (answered "asynchronous") at most once per
+admission: vLLM asks again about a parked request only when its load failed, and it then keeps the request among
+its in-flight prefills, whose reservation counts the request's own blocks: parking it again would need room for
+them twice (`_unpark_cause`). And no request waits for KV longer than its bound (`_wait_bound_s`: twice what
+computing the prefix would take, within a few seconds): a parked load still unfinished then is released to the
+engine to compute (`_release_late_loads`), and a request answered "wait" that vLLM does not admit while it runs
+nothing else is answered again without parking; both are counted (``stalls_released``) and logged once per episode.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -49,6 +58,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from kvprefetch.episodes import EpisodeLog
 from kvprefetch.keys import ChunkKeyer
 from kvprefetch.tiers.chunk_format import image_bytes
 from kvprefetch.vllm.costmodel import CostModel, TierMeter
@@ -63,12 +73,19 @@ from kvprefetch.vllm.timeline import timeline
 if TYPE_CHECKING:
     from kvprefetch.vllm.events import TierEvents
 
+log = logging.getLogger("kvprefetch.vllm")
 _DRAM = "dram"  # `Tier.DRAM`'s value (a StrEnum: equal to it), without importing the store here
 PROBE_CHUNKS = 4  # chunks a disk probe reads: the disk meter's sample (`TierMeter.sample_ops`)
 JOIN_WAIT_PRIOR_S = 0.5  # the longest wait for a save in flight until the prefill rate is measured
 # Longest an empty step waits, blocked, for a parked request's next read to land (`SchedulerSide._wait_parked`):
 # a request that arrives meanwhile is scheduled at most this much later.
 PARKED_WAIT_S = 0.05
+# The bound on a request's wait for KV (`SchedulerSide._wait_bound_s`): STALL_FACTOR times what computing the prefix
+# it waits for would take at the measured prefill rate, never less than STALL_MIN_S (a load that is only slow on a
+# busy host is not cut short: releasing it costs a recompute and vLLM's recovery) nor more than STALL_MAX_S.
+STALL_FACTOR = 2.0
+STALL_MIN_S = 2.0
+STALL_MAX_S = 5.0
 
 
 class Phase(StrEnum):
@@ -109,6 +126,7 @@ class _Plan:
     weighed: bool = False  # the rule weighed the hit: chunks [load, hit) are recomputed, their reads dropped
     skipped_slower: int = 0  # ... this many of them because reading them is slower (a disk probe may follow)
     finished_in_step: bool = False  # load_mode auto finishes its reads inside the step
+    unparked: str | None = None  # why it loads only what DRAM holds instead of parking (`_unpark_cause`)
 
     @property
     def loads(self) -> bool:
@@ -163,6 +181,12 @@ class _Req:
     # `Untiered`: served without the tiers (never keyed, looked up, loaded nor saved)
     identity: Identity | Untiered | None = None
     extras: list[bytes] = field(default_factory=list)  # per chunk keyed: its identity's digest (`ChunkKeyer.keys`)
+    # The wait for KV (`_wait_bound_s`). Answered "wait" (parked) and not admitted since: from when (clock) ...
+    wait_since: float | None = None
+    parked_at: float | None = None  # ... admitted, its async load running: since when (clock)
+    released: bool = False  # ... the load ran past its bound and the workers were told to give it up
+    # vLLM's count of the request's preemptions when it admitted the request's last async load (None: none yet)
+    parked_preemptions: int | None = None
 
     def chunk_keys(self, first: int, end: int) -> list[list[bytes]]:
         return [k[first:end] for k in self.keys]
@@ -275,6 +299,8 @@ class SchedulerSide:
         self.timeline = timeline()
         self.events = events
         self._untiered_log = UntieredLog()
+        self._idle_since: float | None = None  # (clock) since when the steps built have computed nothing
+        self._episodes = EpisodeLog(log)
 
     # ---- keys and lookup ------------------------------------------------------------------------------------
     def _keys(self, st: _Req, num_tokens: int) -> int:
@@ -387,9 +413,11 @@ class SchedulerSide:
         for something else, and asks again next step), and it hands the decision back only once the blocks are
         allocated (`update_state_after_alloc`), which is where the plan is carried out (`_commit`).
 
-        One effect stays here, by necessity: joining a save in flight (`_joins_save`). Its answer, None, makes
+        Two effects stay here, by necessity. Joining a save in flight (`_joins_save`): its answer, None, makes
         vLLM skip the request without calling back, so the wait's deadline (and its count) is set the first
-        time vLLM asks; every later ask is measured against it.
+        time vLLM asks; every later ask is measured against it. And the start of a wait to be admitted: a request
+        answered "wait" (asynchronous) that vLLM does not admit is asked again every step, and the watchdog
+        measures that wait from the first such answer (`_unpark_cause`).
         """
         st = self._state(request)
         st.plan = None
@@ -401,6 +429,10 @@ class SchedulerSide:
         if hit is not None and self._joins_save(st, hit, n):
             return None, False  # vLLM asks again next step
         plan = st.plan = self._decide(st, hit, num_computed_tokens)
+        if plan.loads and plan.is_async:
+            st.wait_since = self.clock() if st.wait_since is None else st.wait_since
+        elif plan.unparked is None:  # (a request the watchdog unparked still waits until vLLM admits it)
+            st.wait_since = None
         if self.timeline:
             self.timeline.event("reached", st.req_id, phase=str(st.phase), computed=num_computed_tokens,
                                 plan=[plan.first, plan.load, plan.is_async, plan.below_dram] if plan.loads else None,
@@ -441,15 +473,61 @@ class SchedulerSide:
         first_reach = st.phase in (Phase.ARRIVED, Phase.PREFETCHING)
         if hit.num_chunks <= first:
             return _Plan(first, 0, hit=hit, first_reach=first_reach)
+        unparked = None
         if hit.below_dram(first, hit.num_chunks):
             rule, is_async = self.serve_late(st, hit, first)
+            unparked = self._unpark_cause(st, hit) if is_async else None
+            if unparked is not None:  # what DRAM holds, in the step; the rest is computed, its reads dropped
+                rule, is_async = _Rule(_in_dram_until(hit, first), weighed=True), False
         else:
             rule, is_async = self._weigh(st, hit, first, async_s=None), False
         k = rule.load_chunks
         below = hit.below_dram(first, k)
         in_step = self.settings.load_mode == "auto" and below > 0 and not is_async  # auto chose the step
         return _Plan(first, k, is_async, below, tuple(hit.tier(i) for i in range(k)), hit, first_reach,
-                     rule.weighed, rule.skipped_slower, in_step)  # fmt: skip
+                     rule.weighed, rule.skipped_slower, in_step, unparked)  # fmt: skip
+
+    def _unpark_cause(self, st: _Req, hit: _Hit) -> str | None:
+        """Why a request the rule would park must not be (None: it may be parked).
+
+        ``reasked``: vLLM admitted the request's last async load and asks about it again without having preempted
+        it since: that load failed at its first block (or was released, `_release_late_loads`), and vLLM keeps the
+        request among its in-flight prefills, whose reservation (the blocks each still needs to finish) an async
+        admission must leave free. Parked again, the request needs its own blocks twice over; where they do not
+        fit (a prompt over half the free KV), vLLM skips it every step, and at the head of its queue of requests
+        holding KV, nothing behind it runs either (issue 59: four sessions got no token for two minutes, vLLM
+        logging "KV fetch: 2 waiting to start"). It also asks about a hit that just failed: the chunk the workers
+        found damaged (and removed) may still be in this process's disk index, or read from a tier that failed
+        again.
+
+        ``stalled`` (the watchdog, for a cause not known here): answered "wait" and not admitted for longer than
+        its bound (`_wait_bound_s`) while the engine computed nothing: vLLM is not merely short of blocks that a
+        running request will free.
+        """
+        if st.parked_preemptions is not None and st.parked_preemptions == _preemptions(st.request):
+            return "reasked"
+        if st.wait_since is not None and self._idle_since is not None:
+            waited = self.clock() - max(st.wait_since, self._idle_since)
+            if waited > self._wait_bound_s(hit.num_chunks * self.chunk_tokens):
+                return "stalled"
+        return None
+
+    def _wait_bound_s(self, tokens: int) -> float:
+        """The longest a request waits for the KV of `tokens` tokens: `STALL_FACTOR` times what computing them
+        would take at the prefill rate the load-or-recompute rule uses (the most, until it is measured), within
+        [`STALL_MIN_S`, `STALL_MAX_S`]."""
+        tps = self.cost.prefill_tps.value
+        bound = STALL_FACTOR * tokens / tps if tps else STALL_MAX_S
+        return min(max(bound, STALL_MIN_S), STALL_MAX_S)
+
+    def _stall_released(self, st: _Req, cause: str, waited_s: float) -> None:
+        """Count and log (once per episode of the cause) a request that stopped waiting for KV to compute."""
+        self.counters.inc("stalls_released")
+        self.timeline.event("stall_released", st.req_id, cause=cause, waited=round(waited_s, 3))
+        self._episodes.warn(
+            "stall:" + cause, "kvprefetch: a request waited %.1f s for its KV (%s); it computes its prefix instead "
+            "(vllm:kvprefetch_stalls_released; one line per episode)", waited_s, cause,
+        )  # fmt: skip
 
     def serve_late(self, st: _Req, hit: _Hit, first: int) -> tuple[_Rule, bool]:
         """What happens to a request whose hit is not all in DRAM when the scheduler reaches it: its prefetch is
@@ -506,6 +584,11 @@ class SchedulerSide:
                     self.counters.inc("prefetch_cancelled_chunks", dropped)
         if plan.finished_in_step:
             self.counters.inc("finished_in_step")
+        if plan.unparked == "reasked":
+            self.counters.inc("reasked_unparked")
+            self.timeline.event("unparked", st.req_id, cause=plan.unparked)
+        elif plan.unparked == "stalled" and st.wait_since is not None:
+            self._stall_released(st, "not admitted while the engine computed nothing", self.clock() - st.wait_since)
 
     def _probe_disk(self, st: _Req, hit: _Hit, k: int) -> None:
         """The rule recomputes chunks [k, ...) of this hit: if some are on disk and the disk rate is stale, read
@@ -554,6 +637,7 @@ class SchedulerSide:
         if plan is None:
             return  # not reached (load_policy never), or vLLM asks nothing of a request it resumes
         self._commit(st, plan)
+        st.wait_since = None  # admitted
         if not plan.loads or num_external_tokens <= 0:
             self.holds.set_phase(st, Phase.RECOMPUTED)
             return
@@ -593,6 +677,8 @@ class SchedulerSide:
             job.awaits_prefetch = self._reads_in_flight(st)
             st.load = job
             st.load_settled = not job.awaits_prefetch
+            st.parked_at, st.released = self.clock(), False
+            st.parked_preemptions = _preemptions(request)  # (`_unpark_cause`)
         else:
             st.step_reads = 0 if self._reads_in_flight(st) else plan.below_dram
             self._sync_planned.append(st)
@@ -617,6 +703,7 @@ class SchedulerSide:
                 meta.settled.append(st.req_id)
                 self.timeline.event("settled", st.req_id)
         meta.cancel_loads, self._cancel_loads = self._cancel_loads, []
+        self._release_late_loads(meta)
         if self.settings.save:
             self._plan_saves(scheduler_output, meta)
         meta.await_saves, self._await_saves = self._await_saves, []
@@ -631,7 +718,32 @@ class SchedulerSide:
         meta.step_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
         self._last_step_tokens = meta.step_tokens
         self._running = set(getattr(scheduler_output, "num_scheduled_tokens", None) or ())
+        if meta.step_tokens:
+            self._idle_since = None
+        elif self._idle_since is None:
+            self._idle_since = self.clock()
         return meta
+
+    def _release_late_loads(self, meta: KVPrefetchMetadata) -> None:
+        """The watchdog on parked loads: one the workers have not reported finished within its bound
+        (`_wait_bound_s` of the chunks it loads) is released: the workers report it finished now, what they had not
+        copied as load errors, and vLLM computes that (the request is then never parked again: `_unpark_cause`).
+        Whatever held it up (a read that does not return, a job queued behind one, a read that never settles), it
+        slows the request by its bound and never stops it. Its reads still queued here are dropped."""
+        now = self.clock()
+        for st in self.reqs.values():
+            if st.load is None or st.released or st.parked_at is None:
+                continue
+            waited = now - st.parked_at
+            if waited <= self._wait_bound_s(st.load.num_chunks * self.chunk_tokens):
+                continue
+            st.released = True
+            meta.release_loads.append(st.req_id)
+            if st.prefetch is not None and st.prefetch.pending():
+                n = st.prefetch.cancel()
+                if n:
+                    self.counters.inc("prefetch_cancelled_chunks", n)
+            self._stall_released(st, "parked, its load unfinished", waited)
 
     def _wait_for_reads(self, step: Any) -> None:
         """Wait here, blocked, for the reads the step about to go to the workers would wait for while vLLM's
@@ -749,7 +861,7 @@ class SchedulerSide:
             st = self.reqs.get(rid)
             self.timeline.event("recv_done", rid)
             if st is not None and st.phase is Phase.LOADING:
-                st.load = None
+                st.load, st.parked_at, st.released = None, None, False
                 self.holds.set_phase(st, Phase.DONE)
 
     def wait_for_reads(self, timeout: float) -> bool:
@@ -849,6 +961,19 @@ class SchedulerSide:
 
     def end_lease(self, lease_id: str) -> bool:
         return self.leases.end(lease_id)
+
+
+def _in_dram_until(hit: _Hit, first: int) -> int:
+    """The end of the run of chunks from `first` on that are in DRAM on every rank."""
+    k = first
+    while k < hit.num_chunks and hit.in_dram(k):
+        k += 1
+    return k
+
+
+def _preemptions(request: Any) -> int:
+    """How often vLLM has preempted the request (`Request.num_preemptions`)."""
+    return int(getattr(request, "num_preemptions", 0) or 0)
 
 
 @dataclass(frozen=True)

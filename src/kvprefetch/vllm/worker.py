@@ -13,7 +13,9 @@ part of every chunk, under its rank's keys (``job.keys[rank]``).
   ``get_finished``; vLLM keeps scheduling other requests meanwhile. The job arrives as soon as the scheduler
   reaches the request; each chunk is copied into the engine the moment it reaches DRAM (the scheduler's
   process is reading it); once the scheduler reports its reads settled, whatever is still missing is read
-  here on demand (joining a read in flight in another process rather than reading twice).
+  here on demand (joining a read in flight in another process rather than reading twice). A load the scheduler
+  releases (its request waited past its deadline) is reported finished at once, whatever its thread is doing:
+  what it had not copied yet goes to vLLM as load errors, and its thread copies nothing more.
 * Saves run after the forward on a saver thread: copy the chunk's pages out of the blocks (the only moment the
   blocks are needed), then ``store.put`` (DRAM now, disk write-back asynchronously).
 * An engine with nothing to compute but loads in flight would spin through empty steps: the scheduler's half
@@ -32,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -118,6 +121,16 @@ class Telemetry:
         with self._lock:
             meta, self._meta = self._meta, KVPrefetchWorkerMeta()
         return None if meta.is_empty() else meta
+
+
+@dataclass
+class _AsyncLoad:
+    """An async load on this worker: its job, the chunks copied so far, and whether it was released (reported
+    finished before its thread was done with it: the thread then copies nothing more and reports nothing)."""
+
+    job: LoadJob
+    copied: int = 0
+    released: bool = False
 
 
 class _LayerwiseLoad:
@@ -218,7 +231,10 @@ class Loader(_RankPart):
         self._errors: set[int] = set()
         self._settled: set[str] = set()
         self._cancelled: set[str] = set()
-        self._active: set[str] = set()  # requests with an async load on this worker
+        self._active: dict[str, _AsyncLoad] = {}  # requests with an async load on this worker
+        # Held while a chunk is copied into an async load's blocks: a release waits for that copy, never for reads
+        # (vLLM may reuse the blocks once the load is reported finished).
+        self._copy_lock = threading.Lock()
         self._started: KVPrefetchMetadata | None = None
         self.timeline = timeline()
 
@@ -266,16 +282,35 @@ class Loader(_RankPart):
         self._started = meta
         for job in meta.loads:
             if job.is_async or job.cancelled:
+                load = _AsyncLoad(job)
                 with self._lock:
                     self._inflight += 1
-                    self._active.add(job.req_id)
-                self._pool.submit(self._async_load, job)
+                    self._active[job.req_id] = load
+                self._pool.submit(self._async_load, load)
                 self.timeline.event("job_queued", job.req_id, chunks=job.num_chunks, awaits=job.awaits_prefetch)
         if meta.settled or meta.cancel_loads:
             with self._cv:
                 self._settled.update(r for r in meta.settled if r in self._active)
                 self._cancelled.update(r for r in meta.cancel_loads if r in self._active)
                 self._cv.notify_all()
+        for rid in meta.release_loads:
+            self._release(rid)
+
+    def _release(self, rid: str) -> None:
+        """Report the request's async load finished now (`KVPrefetchMetadata.release_loads`), the chunks it has not
+        copied yet as load errors: vLLM computes them. Its thread may be queued behind another load, or inside a
+        read that does not return; it is not waited for. Only a chunk being copied into the blocks is (a few ms):
+        once reported, vLLM may hand the blocks to another request."""
+        with self._copy_lock, self._cv:
+            load = self._active.get(rid)
+            if load is None or load.released:
+                return
+            load.released = True
+            errors = failed_blocks(load.job, load.copied)
+            self._done_recv.append((rid, errors))
+            self._cv.notify_all()
+        self.counters.inc("load_error_chunks", load.job.num_chunks - load.copied)
+        self.timeline.event("job_released", rid, copied=load.copied, errors=len(errors))
 
     def start_sync(self, meta: KVPrefetchMetadata) -> bool:
         """Start this step's synchronous loads (layer by layer, alongside the forward pass); True if any."""
@@ -316,17 +351,19 @@ class Loader(_RankPart):
             if self._inflight and not self._done_recv:
                 self._cv.wait(IDLE_WAIT_S)
 
-    def _async_load(self, job: LoadJob) -> None:
-        """Copy each chunk into the engine as soon as it is in DRAM, in order; report the job finished."""
+    def _async_load(self, load: _AsyncLoad) -> None:
+        """Copy each chunk into the engine as soon as it is in DRAM, in order; report the job finished (unless it
+        was released meanwhile: `_release` reported it)."""
+        job = load.job
         errors: set[int] = set()
         rid = job.req_id
         self.timeline.event("job_start", rid)
         try:
-            if not job.cancelled:
+            if not job.cancelled and not load.released:
                 self.counters.inc("async_loads")
-                n_ok, copy_s = self._copy_as_they_land(job)
+                n_ok, copy_s = self._copy_as_they_land(load)
                 cancelled = rid in self._cancelled
-                if n_ok < job.num_chunks and not cancelled:  # (the store logged the cause of a failed read)
+                if n_ok < job.num_chunks and not cancelled and not load.released:  # (the store logged the cause)
                     self.counters.inc("load_error_chunks", job.num_chunks - n_ok)
                 self.counters.inc("worker_loaded_chunks", n_ok)
                 errors = set() if cancelled else failed_blocks(job, n_ok)  # (finished: nothing to recompute)
@@ -334,31 +371,36 @@ class Loader(_RankPart):
         except BaseException as e:
             self.warn(type(e).__name__, f"async load failed ({e}); recomputing")
             errors = failed_blocks(job, 0)
-        self.timeline.event("job_done", rid, errors=len(errors))
+        self.timeline.event("job_done", rid, errors=len(errors), released=load.released)
         with self._cv:
-            self._done_recv.append((rid, errors))
-            self._settled.discard(rid)
-            self._cancelled.discard(rid)
-            self._active.discard(rid)
+            if not load.released:
+                self._done_recv.append((rid, errors))
+            if self._active.get(rid) is load:
+                del self._active[rid]
+                self._settled.discard(rid)
+                self._cancelled.discard(rid)
             self._inflight -= 1
             self._cv.notify_all()
 
-    def _copy_as_they_land(self, job: LoadJob) -> tuple[int, float]:
+    def _copy_as_they_land(self, load: _AsyncLoad) -> tuple[int, float]:
         """(chunks copied, copy seconds): in order, each once it is in DRAM; while the scheduler's process is
-        still reading them (until it reports them settled) look again every POLL_S, after that read here."""
+        still reading them (until it reports them settled) look again every POLL_S, after that read here. Stops
+        at the first chunk after the load was cancelled or released."""
+        job = load.job
         rid = job.req_id
         copy_s = 0.0
         for i, key in enumerate(job.keys[self.rank]):
             t_wait = time.perf_counter()
             while True:
                 with self._lock:
-                    if rid in self._cancelled:
+                    if rid in self._cancelled or load.released:
                         return i, copy_s
                     settled = rid in self._settled
                 with self.store.view([key]) as views:
                     if views:
                         t0 = time.perf_counter()
-                        self._scatter_all(chunk_tensor(views[0]), job.block_ids[i])
+                        if not self._copy_in(load, i, chunk_tensor(views[0])):
+                            return i, copy_s
                         copy_s += time.perf_counter() - t0
                         self.timeline.event("copied", rid, i=i, how="dram", waited=round(t0 - t_wait, 4))
                         break
@@ -371,12 +413,22 @@ class Loader(_RankPart):
                 if not self._get_into([key], stage):
                     return i, copy_s
                 t0 = time.perf_counter()
+                if not self._copy_in(load, i, stage[0]):
+                    return i, copy_s
                 self.timeline.event("copied", rid, i=i, how="read", read_s=round(t0 - t_read, 4),
                               waited=round(t0 - t_wait, 4))  # fmt: skip
-                self._scatter_all(stage[0], job.block_ids[i])
                 copy_s += time.perf_counter() - t0
                 break
         return job.num_chunks, copy_s
+
+    def _copy_in(self, load: _AsyncLoad, i: int, src: torch.Tensor) -> bool:
+        """Copy chunk i into the load's blocks, unless the load was released (False): its blocks are vLLM's again."""
+        with self._copy_lock:
+            if load.released:
+                return False
+            self._scatter_all(src, load.job.block_ids[i])
+            load.copied = i + 1
+        return True
 
     # ---- reporting ------------------------------------------------------------------------------------------
     def finished_recving(self) -> set[str]:
@@ -397,7 +449,7 @@ class Loader(_RankPart):
         the scheduler to report them settled or cancelled, which a scheduler that is shutting down never does
         (the join waited forever)."""
         with self._cv:
-            self._cancelled |= self._active
+            self._cancelled |= set(self._active)
             self._cv.notify_all()
         self._pool.shutdown(wait=True)
 
@@ -525,7 +577,7 @@ class WorkerSide:
         """Before the forward: start this step's async loads now, so they overlap the forward and can be
         reported finished at the end of this very step (vLLM itself would start them after the forward)."""
         self._t_bind = time.perf_counter()
-        if self.loader is not None and (meta.loads or meta.settled or meta.cancel_loads):
+        if self.loader is not None and (meta.loads or meta.settled or meta.cancel_loads or meta.release_loads):
             self.handle_preemptions(meta)  # an async load may write blocks a preempted request's save still reads
             self.loader.start_async(meta)
 
