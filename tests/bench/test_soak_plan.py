@@ -177,3 +177,48 @@ def test_a_server_restart_or_a_short_wait_is_no_stall():
     assert r.stalls() == [] and r.slow() == [] and r.max_ttft_s() == 11.0
     assert all(ok for name, ok, _ in r.checks() if "stall" in name or "within" in name)
     assert stall_table(r) == ""
+
+
+def test_a_stream_the_server_aborts_is_a_failed_request_not_an_answer():
+    """vLLM aborts the requests it holds when it shuts down and ends their streams with finish_reason "abort" (200,
+    a part of the text): the soak's client raises, so such a request counts as failed (apart, in a restart window),
+    never as a wrong answer. A real HTTP server on loopback streams both endings."""
+    import asyncio
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import httpx
+    import pytest
+
+    from kvprefetch.bench.soak_load import Unfinished, complete
+
+    class Streams(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            ending = "abort" if self.path.startswith("/aborted") else "length"
+            for text, finish in (("w5", None), (" w6", ending)):
+                event = {"choices": [{"text": text, "finish_reason": finish}]}
+                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Streams)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+
+    async def ask(prefix: str) -> tuple[str, float]:
+        async with httpx.AsyncClient(timeout=10) as client:
+            return await complete(client, base + prefix, "w1 w2")
+
+    try:
+        assert asyncio.run(ask(""))[0] == "w5 w6"
+        with pytest.raises(Unfinished, match="finish_reason='abort'"):
+            asyncio.run(ask("/aborted"))
+    finally:
+        server.shutdown()

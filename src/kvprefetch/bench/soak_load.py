@@ -42,10 +42,16 @@ def _body(prompt: str, max_tokens: int, stream: bool) -> dict:
     return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
 
 
+class Unfinished(RuntimeError):
+    """A stream that ended without its answer: the server aborted the request (vLLM does so to the requests it
+    holds when it shuts down) or sent an error. A failed request, not a wrong answer: its text is only a part."""
+
+
 async def complete(client: Any, url: str, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[str, float]:
-    """Stream one greedy completion (an httpx.AsyncClient); (its text, TTFT: the first chunk's arrival)."""
+    """Stream one greedy completion (an httpx.AsyncClient); (its text, TTFT: the first chunk's arrival). Raises
+    `Unfinished` unless the stream ends with the answer whole (finish_reason "length" or "stop")."""
     t0 = time.monotonic()
-    ttft, text = None, []
+    ttft, text, finish = None, [], None
     async with client.stream("POST", f"{url}/v1/completions", json=_body(prompt, max_tokens, True)) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -53,7 +59,14 @@ async def complete(client: Any, url: str, prompt: str, max_tokens: int = MAX_TOK
                 continue
             if ttft is None:
                 ttft = time.monotonic() - t0
-            text.append(json.loads(line[6:])["choices"][0]["text"])
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise Unfinished(f"error in the stream: {event['error']}")
+            choice = event["choices"][0]
+            text.append(choice["text"])
+            finish = choice.get("finish_reason") or finish
+    if finish not in ("length", "stop"):
+        raise Unfinished(f"the stream ended with finish_reason={finish!r} after {len(''.join(text))} characters")
     return "".join(text), ttft if ttft is not None else time.monotonic() - t0
 
 
