@@ -173,7 +173,8 @@ def _wait_group_gone(pgid: int, timeout: float = 30) -> None:
 
 def soak_metrics(m: dict) -> dict[str, float]:
     """/metrics (parsed) as the soak's counters: prompt tokens, hit tokens per tier, tier errors per kind, chunk
-    writes to the disk tier (failed ones included; a chunk found already there is no write)."""
+    writes to the disk tier (failed ones included; a chunk found already there is no write), the watchdog's
+    releases and the re-asked requests served without parking (`WATCHDOG`)."""
     out: dict[str, float] = {"prompt": 0.0}
     for (name, labels), v in m.items():
         lab = dict(labels)
@@ -188,7 +189,14 @@ def soak_metrics(m: dict) -> dict[str, float]:
             out[key] = out.get(key, 0.0) + v
         elif name == "vllm:kvprefetch_io_ops_total" and (lab.get("tier"), lab.get("cls")) == ("disk", "writeback"):
             out["written"] = out.get("written", 0.0) + v
+        elif name in WATCHDOG:
+            out[WATCHDOG[name]] = out.get(WATCHDOG[name], 0.0) + v
     return out
+
+
+# The connector's own bounds on a wait for KV (issue 59), as the soak's counters: a release by the watchdog names a
+# cause of a stall not yet fixed where it is; a re-asked request served without parking, the cause that was.
+WATCHDOG = {"vllm:kvprefetch_stalls_released_total": "released", "vllm:kvprefetch_reasked_unparked_total": "unparked"}
 
 
 # ---- the disk tier's own filesystem -------------------------------------------------------------------------------

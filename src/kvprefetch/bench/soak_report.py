@@ -272,7 +272,8 @@ class SoakResult:
         return (f"soak-serve: seconds={self.seconds:.0f} requests={len(self.counted())} failed={self.failed()} "
                 f"wrong={self.wrong()} stalled_s={self.stalled_s():.0f} max_ttft_s={self.max_ttft_s():.1f} "
                 f"faults={len(self.faults)} apart={apart} {growth} "
-                f"shm_left={len(self.shm_left)} hit_ratio={ratio:.2f}")  # fmt: skip
+                f"shm_left={len(self.shm_left)} hit_ratio={ratio:.2f} "
+                f"released={moved.get('released', 0.0):.0f} unparked={moved.get('unparked', 0.0):.0f}")  # fmt: skip
 
 
 def _minus(span: tuple[float, float], holes: list[tuple[float, float]]) -> list[tuple[float, float]]:
