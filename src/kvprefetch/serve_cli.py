@@ -79,7 +79,8 @@ def serve(
 
     e.g. `kvprefetch serve meta-llama/Llama-3.1-8B -c kvprefetch.yaml --port 8000 --max-model-len 32768`
     """
-    from kvprefetch.bench.server import TINY_MODEL_ARGS, connector_transfer_config, server_argv, tiny_model_dir
+    from kvprefetch.bench.server import TINY_MODEL_ARGS, server_argv, tiny_model_dir
+    from kvprefetch.vllm import transfer_config
 
     vllm_args = list(ctx.args)
     if model == TINY and not Path(TINY).exists():
@@ -93,7 +94,7 @@ def serve(
         except ConfigError as err:
             console.print(f"[red]{err}[/red]")
             raise typer.Exit(2) from None
-        transfer = connector_transfer_config(extra_cfg)
+        transfer = transfer_config(extra_cfg)
         vllm_args += ["--middleware", WARM_MIDDLEWARE]  # POST /v1/kvprefetch/warm on vLLM's own port
     if not any(a == "--shutdown-timeout" or a.startswith("--shutdown-timeout=") for a in vllm_args):
         vllm_args += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]

@@ -23,7 +23,6 @@ pytest.importorskip("vllm")
 from kvprefetch.bench.server import (
     PrefixWorkload,
     compare_servers,
-    connector_transfer_config,
     metric_sum,
     server_argv,
     tiny_model_dir,
@@ -31,6 +30,7 @@ from kvprefetch.bench.server import (
 )
 from kvprefetch.tiers.disk import DiskTier
 from kvprefetch.tiers.dram import SharedChunkPool
+from kvprefetch.vllm import transfer_config
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,7 @@ def served(tmp_path_factory):
         "log_interval_s": 0,
     }
     servers = {
-        "kvprefetch": server_argv(model, connector_transfer_config(extra), ENGINE_ARGS),
+        "kvprefetch": server_argv(model, transfer_config(extra), ENGINE_ARGS),
         "vllm": server_argv(model, None, ENGINE_ARGS),
     }
     try:

@@ -8,7 +8,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from vllm_harness import Engine, connector_config
+from vllm_harness import Engine
+
+from kvprefetch.vllm import transfer_config
 
 CHUNK = 256  # tokens; the CPU backend's block size is 128, so a chunk is two blocks
 CHUNK_MIB = 1  # 4 layers x 2 KV heads x 64 dims x (K, V) x float32 x 256 tokens = 1 MiB
@@ -84,10 +86,10 @@ class Engines:
         if name == "reference":
             return base
         if name == "prefetch_on":
-            return base | {"kv_transfer_config": connector_config(extra_config(self.disk_dir, self.pools))}
+            return base | {"kv_transfer_config": transfer_config(extra_config(self.disk_dir, self.pools))}
         if name == "restarted_prefetch_off":
             extra = extra_config(self.disk_dir, self.pools, prefetch=False)
-            return base | {"kv_transfer_config": connector_config(extra)}
+            return base | {"kv_transfer_config": transfer_config(extra)}
         if name.startswith("tp2"):
             # Tensor parallelism 2 (one core per rank); the same disk tier as the TP=1 engines above.
             # (with LoRA: the adapter case at TP=2, `test_vllm_tp2.py`)
@@ -97,23 +99,23 @@ class Engines:
             dram = {"capacity_bytes": int(TP2_DRAM_SLOTS * (TP2_CHUNK_BYTES + 4096) * 1.01)}
             if name == "tp2":
                 extra = extra_config(self.disk_dir, self.pools, dram=dram)
-                return tp2 | {"kv_transfer_config": connector_config(extra)}
+                return tp2 | {"kv_transfer_config": transfer_config(extra)}
             if name == "tp2_restarted_prefetch_off":
                 extra = extra_config(self.disk_dir, self.pools, dram=dram, prefetch=False)
-                return tp2 | {"kv_transfer_config": connector_config(extra)}
+                return tp2 | {"kv_transfer_config": transfer_config(extra)}
         if name.startswith("id_"):
             # The identity tests (`test_vllm_identity.py`): adapters and prompt embeddings, a disk tier of their own.
             ident = base | {"engine_args": IDENTITY_ENGINE_ARGS}
             if name == "id_reference":
                 return ident
             extra = extra_config(self.disk_dir / "identity", self.pools)
-            return ident | {"kv_transfer_config": connector_config(extra)}  # id_tiers, id_tiers_restarted
+            return ident | {"kv_transfer_config": transfer_config(extra)}  # id_tiers, id_tiers_restarted
         if name.startswith("vlm_"):
             # A tiny vision-language model (`tiny_vlm`): images behind placeholder tokens.
             vlm = base | {"model": self.vlm_dir(), "engine_args": VLM_ENGINE_ARGS}
             if name == "vlm_reference":
                 return vlm
-            return vlm | {"kv_transfer_config": connector_config(extra_config(self.disk_dir / "vlm", self.pools))}
+            return vlm | {"kv_transfer_config": transfer_config(extra_config(self.disk_dir / "vlm", self.pools))}
         if name == "sync_slow_disk":
             # ondemand-sync (prefetch off, the step waits for loads) over a disk throttled to 4 MB/s (a 1 MiB chunk
             # takes 250 ms to read; the tiny model recomputes it in ~50 ms). The connector starts out believing
@@ -122,7 +124,7 @@ class Engines:
                 self.disk_dir / "slow", self.pools, prefetch=False, load_mode="sync", disk_bps_prior=1e9,
                 io={"read_rate_limit_bps": 4_000_000}, load_margin=1.0,
             )
-            return base | {"kv_transfer_config": connector_config(extra)}
+            return base | {"kv_transfer_config": transfer_config(extra)}
         if name == "auto_slow_disk":
             # prefetch with load_mode auto over a disk throttled to 1.5 MB/s: a 4-chunk prefetch takes ~2.8 s, so
             # the scheduler reaches its request (at once: the engine is idle) while every read is in flight.
@@ -131,7 +133,7 @@ class Engines:
                 self.disk_dir / "auto", self.pools, load_mode="auto", load_policy="always",
                 io={"read_rate_limit_bps": 1_500_000},
             )
-            return base | {"kv_transfer_config": connector_config(extra)}
+            return base | {"kv_transfer_config": transfer_config(extra)}
         raise KeyError(name)
 
     def vlm_dir(self) -> str:

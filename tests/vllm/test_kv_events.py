@@ -27,12 +27,13 @@ pytest.importorskip("vllm")
 import msgspec
 import zmq
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
-from vllm_harness import Engine, connector_config
+from vllm_harness import Engine
 
 from conftest import CHUNK, CHUNK_MIB, extra_config, prompt
 from kvprefetch.bench import protocol as P
 from kvprefetch.bench.server import free_port
 from kvprefetch.tiers.dram import SharedChunkPool
+from kvprefetch.vllm import transfer_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -103,7 +104,7 @@ class Node:
         port = port or free_port()
         router = Router(port)  # connected before the engine binds: nothing it publishes is missed
         spec = {"model": self.model_dir, "max_num_seqs": 1, "enable_prefix_caching": True,
-                "kv_transfer_config": connector_config(self.extra),
+                "kv_transfer_config": transfer_config(self.extra),
                 "engine_args": {"kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq",
                                                      "endpoint": f"tcp://*:{port}", "topic": TOPIC}}}  # fmt: skip
         try:

@@ -12,16 +12,17 @@ import pytest
 pytest.importorskip("vllm")
 
 from test_vllm_exactness import LEN, assert_same, delta, reference
-from vllm_harness import Engine, connector_config
+from vllm_harness import Engine
 
 from conftest import CHUNK, extra_config, prompt
 from kvprefetch.bench.local_servers import MooncakeMaster, RedisServer
+from kvprefetch.vllm import transfer_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 
 def start(model_dir, logs, name: str, extra: dict) -> Engine:
-    spec = {"model": model_dir, "max_num_seqs": 1, "kv_transfer_config": connector_config(extra)}
+    spec = {"model": model_dir, "max_num_seqs": 1, "kv_transfer_config": transfer_config(extra)}
     return Engine(spec, logs / f"{name}-{uuid.uuid4().hex[:6]}.log")
 
 

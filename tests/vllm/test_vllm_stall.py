@@ -30,14 +30,14 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_harness import Engine, connector_config
+from vllm_harness import Engine
 
 from conftest import CHUNK, CHUNK_MIB, extra_config, prompt
 from kvprefetch.bench import protocol as P
 from kvprefetch.bench.client import EngineError
 from kvprefetch.config import StoreConfig
 from kvprefetch.store import TieredStore
-from kvprefetch.vllm import scheduler
+from kvprefetch.vllm import scheduler, transfer_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -55,7 +55,7 @@ class Node:
         self.disk = disk
         cfg = extra_config(disk, pools, load_mode="async", **extra)
         spec = {"model": model_dir, "max_num_seqs": 4, "max_model_len": 4096, "kv_cache_bytes": KV_BYTES,
-                "kv_transfer_config": connector_config(cfg)}  # fmt: skip
+                "kv_transfer_config": transfer_config(cfg)}  # fmt: skip
         self.engine = Engine(spec, logs / f"stall-{uuid.uuid4().hex[:6]}.log")
         dram = {"pool_name": cfg["dram"]["pool_name"], "capacity_bytes": cfg["dram"]["capacity_bytes"]}
         self.other = TieredStore(StoreConfig.load(tiers=["dram"], dram=dram), chunk_bytes=CHUNK_MIB << 20)

@@ -26,11 +26,3 @@ class Engine(EngineProcess):
     def flush(self) -> bool:
         return self.call(P.Flush(), timeout=300).flushed
 
-
-def connector_config(extra: dict) -> dict:
-    return {
-        "kv_connector": "KVPrefetchConnector",
-        "kv_connector_module_path": "kvprefetch.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": extra,
-    }

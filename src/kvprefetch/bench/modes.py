@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvprefetch.modes import MODE
+from kvprefetch.vllm.settings import transfer_config
 
 MODES: dict[str, str] = {name: m.description for name, m in MODE.items()}
 """Every mode the bench knows, by name (`kvprefetch.modes` defines them)."""
@@ -163,24 +164,14 @@ def kv_transfer_config(mode: str, sizing: StoreSizing, disk_dir: Path, pool: str
             if remote is None:
                 raise ValueError(f"{mode} needs a remote section")
             extra |= {"tiers": ["dram", "disk", "remote"], "remote": remote}
-        return {
-            "kv_connector": "KVPrefetchConnector",
-            "kv_connector_module_path": "kvprefetch.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": extra,
-        }
+        return transfer_config(extra)
     if mode in CONNECTOR_MODES:
         m = MODE[mode]
         extra = kvprefetch_extra(sizing, disk_dir, pool, prefetch=m.prefetch, sync=m.load_mode == "sync",
                                  serial=m.serial)  # fmt: skip
         if m.keep_warm_s:
             extra["keep_warm_s"] = m.keep_warm_s
-        return {
-            "kv_connector": "KVPrefetchConnector",
-            "kv_connector_module_path": "kvprefetch.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": extra,
-        }
+        return transfer_config(extra)
     if mode == "vllm-example":
         return {
             "kv_connector": "ExampleConnector",
@@ -215,12 +206,7 @@ def node_transfer_config(mode: str, sizing: StoreSizing, pool: str, *, remote: d
         tiers.append("remote")
         extra["remote"] = remote
     extra["tiers"] = tiers
-    return {
-        "kv_connector": "KVPrefetchConnector",
-        "kv_connector_module_path": "kvprefetch.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": extra,
-    }
+    return transfer_config(extra)
 
 
 def lmcache_env(sizing: StoreSizing, disk_dir: Path) -> dict[str, str]:

@@ -20,6 +20,7 @@ from kvprefetch.bench.plan import BenchPlan
 from kvprefetch.bench.regime import measured_regime, stream_bps, target_bps, whitepaper_r2
 from kvprefetch.bench.stats import cell_metrics
 from kvprefetch.sim.scenarios import PARALLEL_READS
+from kvprefetch.vllm.settings import transfer_config
 from kvprefetch.workload.replay import apply_utilisation
 
 Sweep = list[tuple[float | str, int | None]]  # further regimes: (label, read throttle bps)
@@ -72,11 +73,8 @@ def populate(plan: BenchPlan, files: RunFiles, throttle, why: str, start: Callab
     (the regime), and the sweep's regimes."""
     o, w = plan.opts, plan.workload
     extra = kvprefetch_extra(plan.sizing, files.populated, files.pool("populate"), prefetch=True)
-    spec = plan.engine_spec(
-        {"kv_connector": "KVPrefetchConnector", "kv_connector_module_path": "kvprefetch.vllm",
-         "kv_role": "kv_both", "kv_connector_extra_config": extra | {"load_policy": "always"}},
-        cgroup=str(throttle.path) if throttle else None,
-    )  # fmt: skip
+    spec = plan.engine_spec(transfer_config(extra | {"load_policy": "always"}),
+                            cgroup=str(throttle.path) if throttle else None)
     eng = start("populate", spec)
     try:
         say("measuring prefill speed", 0)

@@ -58,15 +58,6 @@ def tiny_model_dir(dest: Path) -> Path:
     return dest
 
 
-def connector_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "kv_connector": "KVPrefetchConnector",
-        "kv_connector_module_path": "kvprefetch.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": extra,
-    }
-
-
 def server_argv(model: str, transfer_config: dict[str, Any] | None, vllm_args: Sequence[str] = ()) -> list[str]:
     """The OpenAI server's command line (`python -m vllm.entrypoints.openai.api_server`, which needs no `vllm`
     distribution metadata, unlike the `vllm` command on a bare CPU-build install)."""

@@ -148,3 +148,17 @@ def parse_extra_config(extra: dict[str, Any] | None) -> ConnectorSettings:
         return ConnectorSettings(store=store, **own)
     except ValidationError as err:
         raise ConfigError(_explain(err, source="kv_connector_extra_config")) from None
+
+
+def transfer_config(extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` for the connector with `extra` as its extra config, checked as the connector
+    will check it (raises ConfigError naming every bad key and value, before any engine starts). The one place
+    this dict is written: `kvprefetch serve`, the bench and the tests all build it here."""
+    extra = dict(extra or {})
+    parse_extra_config(extra)
+    return {
+        "kv_connector": "KVPrefetchConnector",
+        "kv_connector_module_path": "kvprefetch.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
