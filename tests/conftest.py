@@ -1,4 +1,4 @@
-"""The suite's engine processes are forked from one zygote (`kvprefetch.bench.zygote`) that imported torch and
+"""The suite's engine processes are forked from one zygote (`kvprefetch.testbed.zygote`) that imported torch and
 vLLM once, instead of each importing them again (~7 s of every ~8 s start, ~35 starts). Everything else about an
 engine is as in a deployment; `KVPREFETCH_TEST_ZYGOTE=0` starts each one as a new process instead.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvprefetch.bench.client import RPC_ENV, ZYGOTE_ENV, own_socket_folder
+from kvprefetch.testbed.client import RPC_ENV, ZYGOTE_ENV, own_socket_folder
 
 _rpc_key = pytest.StashKey[str]()
 
@@ -48,7 +48,7 @@ def engine_zygote(request: pytest.FixtureRequest):
     sock = folder / "zygote.sock"
     log = open(folder / "zygote.log", "w")  # noqa: SIM115
     env = dict(os.environ, VLLM_LOGGING_LEVEL="INFO", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "kvprefetch.bench.zygote", str(sock)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "kvprefetch.testbed.zygote", str(sock)], stdout=subprocess.PIPE,
                             stderr=log, text=True, env=env, start_new_session=True)  # fmt: skip
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", (folder / "zygote.log").read_text()
     os.environ[ZYGOTE_ENV] = str(sock)

@@ -25,10 +25,10 @@ ENGINE_COMMANDS = frozenset({"bench", "bench-serve", "soak-serve", "loadbench"})
 @app.callback()
 def _engine_sockets(ctx: typer.Context) -> None:
     """A command that starts vLLM engines gives their ZeroMQ sockets a folder of its own, removed when it ends
-    (`kvprefetch.bench.client.own_socket_folder`)."""
+    (`kvprefetch.testbed.client.own_socket_folder`)."""
     if ctx.invoked_subcommand not in ENGINE_COMMANDS:
         return
-    from kvprefetch.bench.client import own_socket_folder
+    from kvprefetch.testbed.client import own_socket_folder
 
     folder = own_socket_folder()
     if folder is not None:

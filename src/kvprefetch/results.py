@@ -38,7 +38,7 @@ class MachineInfo(_Part):
 
 
 class Topology(_Part):
-    """Where the run's threads computed (`kvprefetch.bench.topology`): `shared`, the connector's threads on the
+    """Where the run's threads computed (`kvprefetch.testbed.topology`): `shared`, the connector's threads on the
     model's cores; `gpu-node`, on cores of their own (as host threads beside a GPU's compute)."""
 
     kind: str = "shared"

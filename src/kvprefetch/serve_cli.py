@@ -79,7 +79,7 @@ def serve(
 
     e.g. `kvprefetch serve meta-llama/Llama-3.1-8B -c kvprefetch.yaml --port 8000 --max-model-len 32768`
     """
-    from kvprefetch.bench.server import TINY_MODEL_ARGS, server_argv, tiny_model_dir
+    from kvprefetch.testbed.server import TINY_MODEL_ARGS, server_argv, tiny_model_dir
     from kvprefetch.vllm import transfer_config
 
     vllm_args = list(ctx.args)

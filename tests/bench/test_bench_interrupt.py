@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvprefetch.bench.client import RPC_ENV, ZYGOTE_ENV
+from kvprefetch.testbed.client import RPC_ENV, ZYGOTE_ENV
 from kvprefetch.tiers.dram import SHM_DIR, pid_alive
 
 pytest.importorskip("vllm")

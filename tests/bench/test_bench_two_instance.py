@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from kvprefetch.bench import protocol as P
 from kvprefetch.bench.modes import (
     MODES,
     TWO_INSTANCE_MODES,
@@ -19,8 +18,9 @@ from kvprefetch.bench.modes import (
     two_instance_caches,
 )
 from kvprefetch.bench.plan import DEFAULT_MODES
-from kvprefetch.bench.stats import merge_snapshots
 from kvprefetch.bench.two_instance import drive_alternating
+from kvprefetch.testbed import protocol as P
+from kvprefetch.testbed.snapshots import merge_snapshots
 
 SIZING = StoreSizing(chunk_tokens=256, dram_bytes=64 << 20, disk_bytes=1 << 30)
 

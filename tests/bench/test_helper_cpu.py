@@ -6,7 +6,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvprefetch.bench.probes import HelperCpuMeter
+from kvprefetch.testbed.probes import HelperCpuMeter
 
 
 def _burn(cpu_s: float) -> None:

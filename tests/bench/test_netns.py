@@ -1,4 +1,4 @@
-"""Nodes on one machine (`kvprefetch.bench.netns`): real network namespaces and veth links, a tbf-shaped rate that
+"""Nodes on one machine (`kvprefetch.testbed.netns`): real network namespaces and veth links, a tbf-shaped rate that
 holds, a link taken down and brought back, and nothing left behind, also by a process SIGKILLed mid-run."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from kvprefetch.bench import netns
-from kvprefetch.bench.netns import Fabric
+from kvprefetch.testbed import netns
+from kvprefetch.testbed.netns import Fabric
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
 
@@ -73,7 +73,7 @@ def test_a_shaped_link_carries_bytes_no_faster_than_its_rate_and_can_be_cut_and_
 
 
 MAKER = textwrap.dedent("""
-    from kvprefetch.bench.netns import Fabric
+    from kvprefetch.testbed.netns import Fabric
     fab = Fabric().__enter__()
     a, b = fab.ns("pool"), fab.ns("node-a")
     fab.link(a, b, rate_bps=10_000_000)
@@ -102,7 +102,7 @@ def test_bad_roles_are_refused_before_anything_is_made():
 
 JOINER = textwrap.dedent("""
     import socket, sys
-    from kvprefetch.bench.netns import join
+    from kvprefetch.testbed.netns import join
     join(sys.argv[1])
     with socket.create_connection((sys.argv[2], 7007), timeout=5) as c:
         n = 0
@@ -134,7 +134,7 @@ def test_a_process_joins_a_namespace_itself_as_a_forked_engine_does():
 def test_a_redis_in_the_pool_namespace_is_reached_by_a_node_over_its_link_only(tmp_path):
     import redis
 
-    from kvprefetch.bench.local_servers import RedisServer
+    from kvprefetch.testbed.local_servers import RedisServer
 
     with Fabric() as fab:
         pool, node = fab.ns("pool"), fab.ns("node-a")

@@ -1,4 +1,4 @@
-"""The engine process's protocol (`kvprefetch.bench.protocol`): what a caller sends is what the engine reads, and a
+"""The engine process's protocol (`kvprefetch.testbed.protocol`): what a caller sends is what the engine reads, and a
 request the engine cannot read is refused by name, not misread."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from kvprefetch.bench import protocol as P
+from kvprefetch.testbed import protocol as P
 
 
 @pytest.mark.parametrize("req", [

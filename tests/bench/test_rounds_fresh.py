@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvprefetch.bench.engine_proc import salted
+from kvprefetch.testbed.engine_proc import salted
 
 
 def test_each_round_changes_every_turns_first_token_and_nothing_else():

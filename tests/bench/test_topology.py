@@ -1,4 +1,4 @@
-"""Where the bench's engines run (`kvprefetch.bench.topology`) and the store's threads' cores (``io.cpus``)."""
+"""Where the bench's engines run (`kvprefetch.testbed.topology`) and the store's threads' cores (``io.cpus``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from kvprefetch.bench.topology import plan_topology
 from kvprefetch.io.engine import IOClass, IOEngine
+from kvprefetch.testbed.topology import plan_topology
 
 
 def test_gpu_node_gives_the_host_a_quarter_of_the_cores_and_the_model_the_rest():

@@ -1,4 +1,4 @@
-"""The two-node scenario's cluster (`kvprefetch.bench.cluster`): a real pool namespace with redis-server, node
+"""The two-node scenario's cluster (`kvprefetch.testbed.cluster`): a real pool namespace with redis-server, node
 namespaces on shaped veth links, its fault verbs, and nothing left behind: on exit, on SIGTERM, on a failed start."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from kvprefetch.bench import netns
-from kvprefetch.bench.cluster import TwoNodeCluster
+from kvprefetch.testbed import netns
+from kvprefetch.testbed.cluster import TwoNodeCluster
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
 
@@ -68,7 +68,7 @@ def test_a_failed_start_leaves_nothing(tmp_path):
 CLUSTER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from kvprefetch.bench.cluster import TwoNodeCluster
+    from kvprefetch.testbed.cluster import TwoNodeCluster
     from kvprefetch.cli import exit_on_sigterm
     exit_on_sigterm()
     with TwoNodeCluster(Path(sys.argv[1]), 100_000_000) as c:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvprefetch.bench import netns
+from kvprefetch.testbed import netns
 
 pytest.importorskip("vllm")
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from kvprefetch.bench.cluster import node_placement
 from kvprefetch.bench.modes import TWO_NODE_MODES, StoreSizing, node_transfer_config, route
 from kvprefetch.bench.two_node import TwoNodeOptions
 from kvprefetch.bench.two_node_report import fault_windows, goals, markdown_lines
+from kvprefetch.testbed.cluster import node_placement
 
 
 def test_turns_alternate_nodes_but_pinned_sessions_stay():

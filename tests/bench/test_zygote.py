@@ -1,4 +1,4 @@
-"""Engines forked by the test suite's zygote (`kvprefetch.bench.zygote`) start, fail and end as started ones do."""
+"""Engines forked by the test suite's zygote (`kvprefetch.testbed.zygote`) start, fail and end as started ones do."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import signal
 
 import pytest
 
-from kvprefetch.bench import protocol as P
-from kvprefetch.bench.client import ZYGOTE_ENV, EngineError, EngineProcess, ForkedProcess
+from kvprefetch.testbed import protocol as P
+from kvprefetch.testbed.client import ZYGOTE_ENV, EngineError, EngineProcess, ForkedProcess
 
 pytest.importorskip("vllm")
 

@@ -128,11 +128,14 @@ CORE = ("kvprefetch.keys", "kvprefetch.tiers", "kvprefetch.io", "kvprefetch.stor
 ABOVE = (
     "kvprefetch.vllm",
     "kvprefetch.sglang",
+    "kvprefetch.testbed",
     "kvprefetch.bench",
     "kvprefetch.sim",
     "kvprefetch.cli",
     "kvprefetch.loader",
 )
+# What runs in a user's engine or server: the core, the connectors, the weight loader.
+PRODUCT = (*CORE, "kvprefetch.vllm", "kvprefetch.sglang", "kvprefetch.loader")
 
 
 def _under(m: str, prefixes: tuple[str, ...]) -> bool:
@@ -166,6 +169,31 @@ def test_the_loader_does_not_import_bench():
         (m, d)
         for m, deps in import_graph().items()
         if _under(m, ("kvprefetch.loader",))
+        for d in deps
+        if _under(d, ("kvprefetch.bench",))
+    }
+    assert bad == set()
+
+
+def test_the_product_imports_neither_the_testbed_nor_the_bench():
+    """The connectors, the loader and the core run in users' engines: what starts and drives engines for the bench
+    and the tests (`kvprefetch.testbed`) and the bench itself stay out of them."""
+    bad = {
+        (m, d)
+        for m, deps in import_graph().items()
+        if _under(m, PRODUCT)
+        for d in deps
+        if _under(d, ("kvprefetch.testbed", "kvprefetch.bench"))
+    }
+    assert bad == set()
+
+
+def test_the_testbed_imports_nothing_of_the_bench():
+    """The bench is built on the testbed (as the tests and `kvprefetch serve` are), never the other way round."""
+    bad = {
+        (m, d)
+        for m, deps in import_graph().items()
+        if _under(m, ("kvprefetch.testbed",))
         for d in deps
         if _under(d, ("kvprefetch.bench",))
     }

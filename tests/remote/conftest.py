@@ -6,9 +6,9 @@ import uuid
 
 import pytest
 
-from kvprefetch.bench.local_servers import MooncakeMaster, RedisServer
 from kvprefetch.config import StoreConfig
 from kvprefetch.store import TieredStore
+from kvprefetch.testbed.local_servers import MooncakeMaster, RedisServer
 from tests.store.conftest import keyer, namespace  # noqa: F401 - shared fixtures
 
 

@@ -8,8 +8,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from kvprefetch.bench.local_servers import RedisServer, free_port, wait_port
 from kvprefetch.store import Tier
+from kvprefetch.testbed.local_servers import RedisServer, free_port, wait_port
 from tests.remote.conftest import remote_section
 from tests.store.conftest import chunk_payload
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import redis
 
-from kvprefetch.bench.local_servers import RedisServer
+from kvprefetch.testbed.local_servers import RedisServer
 from kvprefetch.tiers.chunk_format import HEADER_BYTES, image_bytes, verify_image, write_header
 from kvprefetch.tiers.disk import aligned_buffer
 from tests.remote.conftest import remote_section

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import redis
 
-from kvprefetch.bench.local_servers import RedisServer
 from kvprefetch.config import ConfigError, StoreConfig
 from kvprefetch.store import Tier
+from kvprefetch.testbed.local_servers import RedisServer
 from tests.remote.conftest import remote_section
 from tests.store.conftest import chunk_payload
 
@@ -244,7 +244,7 @@ def test_mooncake_full_evicts_without_corruption(open_node, keyer, mooncake_mast
 def own_master(tmp_path):
     """A Mooncake master of the test's own, killed after the stores that use it are closed (requested before
     `open_node`, it is torn down after it: a Mooncake client closing with its master dead waits ~12 s)."""
-    from kvprefetch.bench.local_servers import MooncakeMaster
+    from kvprefetch.testbed.local_servers import MooncakeMaster
 
     master = MooncakeMaster(tmp_path)
     yield master

@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvprefetch.bench.server import (
+from kvprefetch.testbed.server import (
     PrefixWorkload,
     compare_servers,
     metric_sum,

@@ -34,8 +34,8 @@ pytest.importorskip("vllm")
 from tests.adapters import make_adapter
 from tests.tiny_vlm import make_vlm
 
-from kvprefetch.bench.server import TINY_MODEL, free_port, metric_sum, parse_metrics, tiny_model_dir
 from kvprefetch.config import default_cache_dir
+from kvprefetch.testbed.server import TINY_MODEL, free_port, metric_sum, parse_metrics, tiny_model_dir
 from kvprefetch.tiers.dram import SHM_DIR
 
 pytestmark = pytest.mark.slow

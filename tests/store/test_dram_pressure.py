@@ -1,11 +1,11 @@
-"""The agent bench's stand-in for other traffic on the DRAM tier (`kvprefetch.bench.pressure`), on a real pool:
+"""The agent bench's stand-in for other traffic on the DRAM tier (`kvprefetch.testbed.pressure`), on a real pool:
 unpinned chunks idle for its life go, pinned ones and ones in use stay, and nothing leaves the disk tier."""
 
 from __future__ import annotations
 
 import time
 
-from kvprefetch.bench.pressure import DramPressure
+from kvprefetch.testbed.pressure import DramPressure
 
 from .conftest import CHUNK_BYTES, chunk_payload
 

@@ -30,8 +30,8 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from vllm_harness import Engine
 
 from conftest import CHUNK, CHUNK_MIB, extra_config, prompt
-from kvprefetch.bench import protocol as P
-from kvprefetch.bench.server import free_port
+from kvprefetch.testbed import protocol as P
+from kvprefetch.testbed.server import free_port
 from kvprefetch.tiers.dram import SharedChunkPool
 from kvprefetch.vllm import transfer_config
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvprefetch.bench.protocol import Completion, CountersReply, Warm
+from kvprefetch.testbed.protocol import Completion, CountersReply, Warm
 
 pytest.importorskip("vllm")
 
@@ -241,7 +241,7 @@ def test_rule_recomputes_hits_on_a_slow_disk(engines):
 
 def test_an_engine_refuses_a_request_it_cannot_read_and_carries_on(engines):
     """A line that is not a request of the protocol gets an error reply naming why; the engine serves on."""
-    from kvprefetch.bench.client import EngineError
+    from kvprefetch.testbed.client import EngineError
 
     e = engines.get("reference")
     p = prompt(4242, 300)

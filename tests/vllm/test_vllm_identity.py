@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvprefetch.bench.protocol import Completion, CountersReply, PromptIdentity
+from kvprefetch.testbed.protocol import Completion, CountersReply, PromptIdentity
 
 pytest.importorskip("vllm")
 

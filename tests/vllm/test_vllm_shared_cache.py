@@ -15,7 +15,7 @@ from test_vllm_exactness import LEN, assert_same, delta, reference
 from vllm_harness import Engine
 
 from conftest import CHUNK, extra_config, prompt
-from kvprefetch.bench.local_servers import MooncakeMaster, RedisServer
+from kvprefetch.testbed.local_servers import MooncakeMaster, RedisServer
 from kvprefetch.vllm import transfer_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]

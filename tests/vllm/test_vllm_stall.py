@@ -33,10 +33,10 @@ pytest.importorskip("vllm")
 from vllm_harness import Engine
 
 from conftest import CHUNK, CHUNK_MIB, extra_config, prompt
-from kvprefetch.bench import protocol as P
-from kvprefetch.bench.client import EngineError
 from kvprefetch.config import StoreConfig
 from kvprefetch.store import TieredStore
+from kvprefetch.testbed import protocol as P
+from kvprefetch.testbed.client import EngineError
 from kvprefetch.vllm import scheduler, transfer_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvprefetch.bench.protocol import Completion, CountersReply, Generate, PromptIdentity
+from kvprefetch.testbed.protocol import Completion, CountersReply, Generate, PromptIdentity
 
 pytest.importorskip("vllm")
 

@@ -1,5 +1,5 @@
-"""The tests' vLLM engines: the bench's engine process (`kvprefetch.bench.engine_proc`), spoken to in its protocol
-(`kvprefetch.bench.protocol`), with the tests' defaults (float32, no prefix cache: each request's KV comes from the
+"""The tests' vLLM engines: the bench's engine process (`kvprefetch.testbed.engine_proc`), spoken to in its protocol
+(`kvprefetch.testbed.protocol`), with the tests' defaults (float32, no prefix cache: each request's KV comes from the
 connector or is computed)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvprefetch.bench import protocol as P
-from kvprefetch.bench.client import EngineProcess
+from kvprefetch.testbed import protocol as P
+from kvprefetch.testbed.client import EngineProcess
 
 TEST_DEFAULTS: dict[str, Any] = {"dtype": "float32", "enable_prefix_caching": False}
 

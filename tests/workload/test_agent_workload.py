@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvprefetch.bench.sessions import SessionSchedule
+from kvprefetch.testbed.sessions import SessionSchedule
 from kvprefetch.workload.agent import AgentBench, agent_from_declared, agent_workload, parse_gap
 from kvprefetch.workload.replay import BenchWorkload, reuse_summary
 

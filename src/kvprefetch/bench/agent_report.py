@@ -76,7 +76,7 @@ def agent_lines(results: dict) -> list[str]:
                      "prefix cache (on a busy server other sessions hold the accelerator's memory by the next turn) "
                      "and, but in `dram`, the DRAM tier keeps an unpinned chunk "
                      f"{results.get('config', {}).get('dram_life_s')} s after its last use (other engines' traffic on "
-                     "the node, `kvprefetch.bench.pressure`): a head nobody leases is on disk by its next turn.")
+                     "the node, `kvprefetch.testbed.pressure`): a head nobody leases is on disk by its next turn.")
     lines += ["", "| conc | mode / baseline | TTFT p50 ratio | range | verdict | TTFT p90 ratio | range |",
               "|---:|---|---:|---:|---|---:|---:|"]  # fmt: skip
     rs = ratios(rows)

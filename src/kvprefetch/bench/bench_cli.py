@@ -440,7 +440,7 @@ def _two_node(a: BenchArgs):
 
     if a.workload == Workload.agent or a.trace is not None:
         raise typer.BadParameter("the two-node scenario runs the context and chat workloads")
-    from kvprefetch.bench.netns import available
+    from kvprefetch.testbed.netns import available
 
     if (why := available()) is not None:
         raise typer.BadParameter(f"the two-node scenario makes network namespaces: {why}")
@@ -565,9 +565,9 @@ def _trace(a: BenchArgs, chunk_tokens: int) -> TraceBench | None:
 def run_and_report(opts: BenchOptions) -> dict:
     """The run with a live progress bar and a line per cell, then results.json, report.md and the plots written
     and the terminal's tables printed."""
-    from kvprefetch.bench.client import EngineError
     from kvprefetch.bench.report import write_outputs
     from kvprefetch.bench.runner import Bench, simulator_prediction
+    from kvprefetch.testbed.client import EngineError
 
     levels = ",".join(map(str, opts.concurrency))
     console.print(

@@ -81,7 +81,7 @@ def two_instance_caches(mode: str, work: Path, pool_prefix: str, engines: int = 
 
 
 def remote_section(backend: str, server: Any, segment_bytes: int | None = None) -> dict:
-    """The store's `remote` section for a server from `kvprefetch.bench.local_servers`."""
+    """The store's `remote` section for a server from `kvprefetch.testbed.local_servers`."""
     if backend == "redis":
         return {"backend": "redis", "redis": {"url": server.url}}
     mc: dict[str, Any] = {"master": server.master, "metadata_server": server.metadata_server}
@@ -98,7 +98,7 @@ def availability(mode: str, cuda: bool, remote_backend: str = "redis") -> tuple[
     if (mode in REMOTE_MODES or MODE[mode].pool) and not remote_available(remote_backend):
         return False, f"the {remote_backend} server is not installed"
     if MODE[mode].nodes:
-        from kvprefetch.bench.netns import available
+        from kvprefetch.testbed.netns import available
 
         if (why := available()) is not None:
             return False, why
@@ -116,7 +116,7 @@ class StoreSizing:
     dram_bytes: int
     disk_bytes: int
     io_threads: int = 4
-    io_cpus: list[int] | None = None  # the connector's threads' cores (kvprefetch.bench.topology)
+    io_cpus: list[int] | None = None  # the connector's threads' cores (kvprefetch.testbed.topology)
     read_rate_limit_bps: int | None = None  # the fallback throttle (no kernel throttle available)
     read_stream_bps: int | None = None  # one read stream's cap (the emulated array: `regime.stream_bps`)
     prefill_tps_prior: float | None = None

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from kvprefetch.bench.modes import MODES, TWO_INSTANCE_MODES, StoreSizing, availability
-from kvprefetch.bench.protocol import EngineSpec, Placement
 from kvprefetch.bench.regime import DEFAULT_REGIME
-from kvprefetch.bench.topology import Topology, TopologyKind, plan_topology
 from kvprefetch.bench.two_node import TwoNodeOptions
 from kvprefetch.modes import SIMULATED as BENCH_MODES
+from kvprefetch.testbed.protocol import EngineSpec, Placement
+from kvprefetch.testbed.topology import Topology, TopologyKind, plan_topology
 from kvprefetch.workload.agent import AgentBench, agent_workload
 from kvprefetch.workload.replay import (
     CONTEXT,
@@ -42,7 +42,7 @@ AGENT_CONCURRENCY = [1, 8]
 ENGINE_MEMORY_MODES = ["recompute", "prefetch", "dram"]  # --engine-kv: vLLM alone, kvprefetch, all-in-DRAM
 ENGINE_MEMORY_CONCURRENCY = [8]  # --engine-kv: one level (an engine per mode and size, each run 3 times)
 DRAM_LIFE_S = 0.4
-"""The agent workload's DRAM pressure (`kvprefetch.bench.pressure`): an unpinned chunk lasts this long after its
+"""The agent workload's DRAM pressure (`kvprefetch.testbed.pressure`): an unpinned chunk lasts this long after its
 last use, as under other engines' traffic on the node; below the shortest default tool gap (0.5 s), so an
 unleased head is on disk by its next turn."""
 AGENT_DRAM_HEADS = 5
@@ -82,7 +82,7 @@ class BenchOptions:
     calibrate_modes: bool = True  # measure each simulated mode's engine too, after its cells (~15 s each)
     remote_backend: str = "redis"  # the prefetch-remote mode's server: redis or mooncake
     repeats: int = 3  # rounds of every cell, modes interleaved within a round (kvprefetch.bench.rounds)
-    topology: TopologyKind = "gpu-node"  # where the engines' threads run (kvprefetch.bench.topology)
+    topology: TopologyKind = "gpu-node"  # where the engines' threads run (kvprefetch.testbed.topology)
     two_node: TwoNodeOptions | None = None  # the two-node scenario (`kvprefetch.bench.two_node_run`)
     engine_kv: list[KvAsk] = field(default_factory=list)  # the engine-memory sweep's sizes (`--engine-kv`)
 

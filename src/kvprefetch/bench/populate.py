@@ -13,13 +13,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvprefetch.bench import protocol as P
-from kvprefetch.bench.client import EngineProcess
 from kvprefetch.bench.modes import StoreSizing, kvprefetch_extra
 from kvprefetch.bench.plan import BenchPlan
 from kvprefetch.bench.regime import measured_regime, stream_bps, target_bps, whitepaper_r2
 from kvprefetch.bench.stats import cell_metrics
 from kvprefetch.sim.scenarios import PARALLEL_READS
+from kvprefetch.testbed import protocol as P
+from kvprefetch.testbed.client import EngineProcess
 from kvprefetch.vllm.settings import transfer_config
 from kvprefetch.workload.replay import apply_utilisation
 

@@ -31,8 +31,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvprefetch.bench import protocol as P
-from kvprefetch.bench.client import EngineError, EngineProcess
 from kvprefetch.bench.modes import (
     CONNECTOR_MODES,
     MODES,
@@ -61,6 +59,8 @@ from kvprefetch.bench.two_instance import drive_alternating, session_plan
 from kvprefetch.modes import MODE
 from kvprefetch.modes import SIMULATED as BENCH_MODES
 from kvprefetch.results import SCHEMA_KEY, SCHEMA_VERSION
+from kvprefetch.testbed import protocol as P
+from kvprefetch.testbed.client import EngineError, EngineProcess
 from kvprefetch.workload.replay import reuse_summary
 
 WARM_TTL_S = 30.0  # the warm mode's ttl_s (the API's default)
@@ -528,7 +528,7 @@ def dram_sizing(plan: BenchPlan, pop: Populated) -> StoreSizing:
 def start_remote_server(plan: BenchPlan, pop: Populated, mode: str, files: RunFiles,
                         say: Callable[[str, float], None]) -> tuple[Any, dict]:  # fmt: skip
     """The remote mode's server on loopback, and the store config's remote section that reaches it."""
-    from kvprefetch.bench.local_servers import MooncakeMaster, RedisServer
+    from kvprefetch.testbed.local_servers import MooncakeMaster, RedisServer
 
     backend = plan.opts.remote_backend
     d = files.work / f"server-{mode}"

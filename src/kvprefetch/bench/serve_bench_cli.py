@@ -43,14 +43,14 @@ def bench_serve(
 ) -> None:
     """Compare the bench's modes through vLLM's OpenAI server, measured by vLLM's own benchmark client."""
     from kvprefetch.bench.modes import StoreSizing, kv_transfer_config
-    from kvprefetch.bench.server import (
+    from kvprefetch.cli_args import parse_size
+    from kvprefetch.testbed.server import (
         TINY_MODEL_ARGS,
         PrefixWorkload,
         compare_servers,
         server_argv,
         tiny_model_dir,
     )
-    from kvprefetch.cli_args import parse_size
 
     modes = [m for m in mode.replace(" ", "").split(",") if m]
     bad = [m for m in modes if m not in SERVER_MODES]

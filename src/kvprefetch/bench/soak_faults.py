@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from kvprefetch.bench.client import shm_mapped_by_group, unlink_all
-from kvprefetch.bench.local_servers import RedisServer, free_port
-from kvprefetch.bench.server import OpenAIServer, parse_metrics
 from kvprefetch.bench.soak_load import complete_sync, prompt_words
 from kvprefetch.bench.soak_report import RESTART_KINDS
+from kvprefetch.testbed.client import shm_mapped_by_group, unlink_all
+from kvprefetch.testbed.local_servers import RedisServer, free_port
+from kvprefetch.testbed.server import OpenAIServer, parse_metrics
 
 LIGHT_KINDS = ("redis_kill", "damage", "gc", "disk_full")
 HEAVY_KINDS = ("engine_kill", *RESTART_KINDS)

@@ -24,9 +24,7 @@ from typing import Annotated, Any
 import psutil
 import typer
 
-from kvprefetch.bench.local_servers import RedisServer
 from kvprefetch.bench.modes import remote_section
-from kvprefetch.bench.server import OpenAIServer, free_port
 from kvprefetch.bench.soak_faults import (
     FAULT_KINDS,
     FULL_S,
@@ -49,6 +47,8 @@ from kvprefetch.bench.soak_report import (
     plot_timeline,
     stall_table,
 )
+from kvprefetch.testbed.local_servers import RedisServer
+from kvprefetch.testbed.server import OpenAIServer, free_port
 from kvprefetch.tiers.dram import SHM_DIR
 
 SAMPLE_S = 5.0

@@ -8,11 +8,11 @@ import contextlib
 import time
 from collections.abc import Callable
 
-from kvprefetch.bench import protocol as P
-from kvprefetch.bench.client import EngineError
 from kvprefetch.bench.modes import route_turn
-from kvprefetch.bench.sessions import SessionSchedule
-from kvprefetch.bench.stats import merge_snapshots
+from kvprefetch.testbed import protocol as P
+from kvprefetch.testbed.client import EngineError
+from kvprefetch.testbed.sessions import SessionSchedule
+from kvprefetch.testbed.snapshots import merge_snapshots
 
 
 def session_plan(sessions: list) -> list[dict]:

@@ -3,7 +3,7 @@
 The run after phase 1 (`kvprefetch.bench.populate`, which measured this engine's prefill speed and wrote the
 prelude to a disk tier), in the Bench's place of its single-engine modes:
 
-1. **cluster** (`kvprefetch.bench.cluster`): a pool namespace with the pool's server, node-a and node-b each
+1. **cluster** (`kvprefetch.testbed.cluster`): a pool namespace with the pool's server, node-a and node-b each
    joined to it by a link shaped to `two_node.link_rate` (derived from the prefill speed), the link's rate
    measured once from node-a.
 2. **nodes**: per mode, an engine in each node's namespace, each on its own core (launched two modes at a time:
@@ -32,14 +32,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvprefetch.bench import protocol as P
-from kvprefetch.bench.client import EngineError, EngineProcess
-from kvprefetch.bench.cluster import NODES, TwoNodeCluster, node_placement
 from kvprefetch.bench.modes import StoreSizing, node_transfer_config, route
 from kvprefetch.bench.populate import Populated, remove_pool, seed_remote
 from kvprefetch.bench.two_instance import drive_alternating, session_plan
 from kvprefetch.bench.two_node import TwoNodeOptions, link_rate
 from kvprefetch.modes import MODE
+from kvprefetch.testbed import protocol as P
+from kvprefetch.testbed.client import EngineError, EngineProcess
+from kvprefetch.testbed.cluster import NODES, TwoNodeCluster, node_placement
 
 if TYPE_CHECKING:
     from kvprefetch.bench.runner import Bench

@@ -548,7 +548,7 @@ class SharedChunkPool:
 
     def unpinned_ticks(self) -> dict[bytes, int]:
         """Key -> LRU tick of every READY slot that no process pins: what an eviction may take now (the
-        bench's stand-in for other engines' traffic reads it, `kvprefetch.bench.pressure`)."""
+        bench's stand-in for other engines' traffic reads it, `kvprefetch.testbed.pressure`)."""
         with self._locked():
             idx = np.flatnonzero((self.slots["state"] == READY) & (self.pins.sum(axis=0) == 0))
             return {self.slots["key"][i].tobytes(): int(self.slots["tick"][i]) for i in idx}

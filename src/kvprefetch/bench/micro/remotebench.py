@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvprefetch.bench.local_servers import MooncakeMaster, RedisServer
 from kvprefetch.config import StoreConfig
 from kvprefetch.store import TieredStore
+from kvprefetch.testbed.local_servers import MooncakeMaster, RedisServer
 
 
 @dataclass

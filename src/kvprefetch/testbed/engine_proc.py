@@ -1,12 +1,12 @@
 """One benchmark engine: a vLLM `LLMEngine` driven by JSON lines on stdin.
 
-    python -m kvprefetch.bench.engine_proc '<json spec>'
+    python -m kvprefetch.testbed.engine_proc '<json spec>'
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the driver adds requests at their
 arrival times and steps the engine itself, and the scheduler's connector is read here directly. With the
 ``gpu-node`` topology (`place`) the model runs in vLLM's multiprocess executor's worker, as in a deployment,
 and what the bench reads of the workers' connectors comes back through ``collective_rpc``. Each op is one
-function in `OPS`, keyed by its request model (`kvprefetch.bench.protocol`, shared with the caller); replies
+function in `OPS`, keyed by its request model (`kvprefetch.testbed.protocol`, shared with the caller); replies
 are single lines behind `protocol.MARK` on stdout (vLLM logs to the same streams). When the spec names a cgroup,
 the process moves itself into it before anything starts, so every thread and process it creates is throttled
 there. The tests drive their engines through the same protocol (`generate`, `warm`).
@@ -30,11 +30,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvprefetch.bench import protocol as P
-from kvprefetch.bench.agent_client import AgentClient
-from kvprefetch.bench.probes import CpuMeter, HelperCpuMeter, StepRecorder, calibrate, local_cpu_s, random_prompt
-from kvprefetch.bench.sessions import SessionSchedule
-from kvprefetch.bench.stats import merge_snapshots
+from kvprefetch.testbed import protocol as P
+from kvprefetch.testbed.agent_client import AgentClient
+from kvprefetch.testbed.probes import CpuMeter, HelperCpuMeter, StepRecorder, calibrate, local_cpu_s, random_prompt
+from kvprefetch.testbed.sessions import SessionSchedule
+from kvprefetch.testbed.snapshots import merge_snapshots
 
 
 def _reply(obj: Any) -> None:
@@ -625,7 +625,7 @@ def op_run(child: EngineChild, req: P.Run) -> dict:
     agent = AgentClient(sessions, conn, req.warm_ttl_s, req.tag) if req.agent else None
     pressure = None
     if req.pressure_life_s is not None and conn is not None:
-        from kvprefetch.bench.pressure import DramPressure
+        from kvprefetch.testbed.pressure import DramPressure
 
         pressure = DramPressure(conn.store.dram, req.pressure_life_s).start()
     try:
@@ -825,7 +825,7 @@ def start(spec: P.EngineSpec) -> tuple[EngineChild, Callable[[], None]]:
     the process ends, so those this engine created are removed."""
     _join_cgroup(spec.cgroup)
     if spec.netns:
-        from kvprefetch.bench.netns import join
+        from kvprefetch.testbed.netns import join
 
         join(spec.netns)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

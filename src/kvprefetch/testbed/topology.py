@@ -27,7 +27,7 @@ class Topology:
     note: str = ""  # why a gpu-node topology was asked and not obtained
 
     def spec(self) -> dict | None:
-        """The engine child's ``topology`` (`kvprefetch.bench.engine_proc.place`), or None (shared)."""
+        """The engine child's ``topology`` (`kvprefetch.testbed.engine_proc.place`), or None (shared)."""
         if self.kind != "gpu-node":
             return None
         return {"model_cpus": list(self.model_cpus), "host_cpus": list(self.host_cpus)}

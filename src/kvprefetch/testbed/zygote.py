@@ -1,7 +1,7 @@
 """A parent for engine processes that has imported torch and vLLM once: each engine process is forked from it
 instead of starting a Python that imports them again (~7 s of an engine's ~8 s start on a 2-core machine).
 
-    python -m kvprefetch.bench.zygote SOCKET        # serves until killed
+    python -m kvprefetch.testbed.zygote SOCKET        # serves until killed
 
 `EngineProcess` uses it when ``KVPREFETCH_ENGINE_ZYGOTE`` names its socket (the test suite starts one for its
 ~35 engines); otherwise it starts `engine_proc` as a new process, as a deployment does. A request passes the
@@ -45,8 +45,8 @@ def _child(listener: socket.socket, conn: socket.socket, req: dict, fds: list[in
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
-        sys.argv = ["kvprefetch.bench.engine_proc", req["spec"]]
-        from kvprefetch.bench import engine_proc
+        sys.argv = ["kvprefetch.testbed.engine_proc", req["spec"]]
+        from kvprefetch.testbed import engine_proc
 
         engine_proc.main()
     finally:
@@ -57,7 +57,7 @@ def serve(path: str) -> None:
     import torch  # noqa: F401  (what every engine imports: loaded once, here)
     import vllm.v1.engine.core  # noqa: F401
 
-    import kvprefetch.bench.engine_proc
+    import kvprefetch.testbed.engine_proc
     import kvprefetch.vllm.connector  # noqa: F401
     from vllm import EngineArgs, LLMEngine  # noqa: F401
 

@@ -1,4 +1,4 @@
-"""Start an engine process (`engine_proc`) and talk to it in its protocol (`kvprefetch.bench.protocol`): the
+"""Start an engine process (`engine_proc`) and talk to it in its protocol (`kvprefetch.testbed.protocol`): the
 bench's engines and the tests' are these."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 
 import psutil
 
-from kvprefetch.bench import protocol as P
-from kvprefetch.bench.zygote import ENV as ZYGOTE_ENV  # its socket: engines forked from it
+from kvprefetch.testbed import protocol as P
+from kvprefetch.testbed.zygote import ENV as ZYGOTE_ENV  # its socket: engines forked from it
 
 RPC_ENV = "VLLM_RPC_BASE_PATH"
 SOCKET_PATH_MAX = 107 - 37  # a UNIX socket's path is at most 107 bytes; vLLM names its sockets "/<uuid4>" in the folder
@@ -71,7 +71,7 @@ def unlink_all(paths: set[Path]) -> int:
 
 
 class ForkedProcess:
-    """An engine process forked by the zygote (`kvprefetch.bench.zygote`), with what `EngineProcess` uses of a
+    """An engine process forked by the zygote (`kvprefetch.testbed.zygote`), with what `EngineProcess` uses of a
     `Popen`: text pipes to its stdin and from its stdout, `poll`, `wait`, `kill`. It is not this process's
     child: its end is seen through a pidfd, and its exit code is unknown (reported as 0; a kill as -9)."""
 
@@ -140,7 +140,7 @@ class EngineProcess:
             self.proc = ForkedProcess(zygote, spec.model_dump_json(), env, self._log)
         else:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvprefetch.bench.engine_proc", spec.model_dump_json()],
+                [sys.executable, "-m", "kvprefetch.testbed.engine_proc", spec.model_dump_json()],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=self._log,

@@ -1,5 +1,5 @@
 """What crosses the boundary between a benchmark (or test) process and the engine process it drives
-(`kvprefetch.bench.engine_proc`): the engine's spec, each op's request, and the replies the caller reads.
+(`kvprefetch.testbed.engine_proc`): the engine's spec, each op's request, and the replies the caller reads.
 
 One protocol for the bench and the tests. Every message is a pydantic model on both sides: a field renamed in
 one place fails validation at once (naming the field) instead of reading as a missing key deep in a run. The
@@ -26,7 +26,7 @@ class _Wire(BaseModel):
 
 # ---- the engine ---------------------------------------------------------------------------------------------
 class Placement(_Wire):
-    """A GPU node's division of labour on a CPU machine (`kvprefetch.bench.topology`): the model's forward on
+    """A GPU node's division of labour on a CPU machine (`kvprefetch.testbed.topology`): the model's forward on
     `model_cpus`, everything else (client, scheduler, connector threads) on `host_cpus`."""
 
     model_cpus: list[int]
@@ -134,7 +134,7 @@ class CountersReply(_Reply):
 
 
 class Calibration(_Reply):
-    """The figures the bench decides on in a calibration's reply (`kvprefetch.bench.probes.calibrate`); the
+    """The figures the bench decides on in a calibration's reply (`kvprefetch.testbed.probes.calibrate`); the
     reply itself is stored as it came (results.json's populate.calibration and mode_calibrations)."""
 
     prefill_tokens_per_s: float
@@ -178,7 +178,7 @@ class Warmup(Request):
 
 
 class Calibrate(Request):
-    """The engine's prefill and decode speeds (`kvprefetch.bench.probes.calibrate`); the reply is stored as is."""
+    """The engine's prefill and decode speeds (`kvprefetch.testbed.probes.calibrate`); the reply is stored as is."""
 
     op = "calibrate"
     prompt_tokens: int
@@ -202,7 +202,7 @@ class Run(Request):
     salt: int = 0  # every prompt's first token changed by it (a workload without reuse, a later round)
     agent: bool = False  # the agent client's warm-up calls and lease samples
     warm_ttl_s: float | None = None  # the warm mode's warm-up calls (None: no calls)
-    pressure_life_s: float | None = None  # the DRAM pressure (`kvprefetch.bench.pressure`)
+    pressure_life_s: float | None = None  # the DRAM pressure (`kvprefetch.testbed.pressure`)
     only: list[str] | None = None  # run only these sessions (by sid) of the level or prelude
 
 

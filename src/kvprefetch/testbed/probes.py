@@ -1,7 +1,7 @@
 """What the simulator needs measured in a benchmark engine, apart from the cells themselves: each step's batch and
 timing (`StepRecorder`), the engine's prefill and decode speeds (`calibrate`), and the CPU time other processes
 and the connector's own threads took (`CpuMeter`, `HelperCpuMeter`). The engine child
-(`kvprefetch.bench.engine_proc`) runs them; they reach the engine only through the `Host` it passes in.
+(`kvprefetch.testbed.engine_proc`) runs them; they reach the engine only through the `Host` it passes in.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ CpuReader = Callable[[str], "float | None"]  # "own" | "helper" -> CPU seconds o
 class Host(Protocol):
     """What the probes need of the engine child."""
 
-    driver: Any  # kvprefetch.bench.engine_proc.Driver
+    driver: Any  # kvprefetch.testbed.engine_proc.Driver
 
     def flush(self) -> bool: ...
     def reset_prefix_cache(self) -> bool: ...

@@ -14,9 +14,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvprefetch.bench.local_servers import RedisServer
-from kvprefetch.bench.netns import PREFIX, Fabric, Link, namespaces, sweep
-from kvprefetch.bench.protocol import Placement
+from kvprefetch.testbed.local_servers import RedisServer
+from kvprefetch.testbed.netns import PREFIX, Fabric, Link, namespaces, sweep
+from kvprefetch.testbed.protocol import Placement
 
 NODES = ("node-a", "node-b")
 

@@ -35,7 +35,7 @@ def wait_port_in(netns: str | None, port: int, timeout: float = 20.0) -> None:
     """wait_port, asked from inside a network namespace (None: this one)."""
     if netns is None:
         return wait_port(port, timeout)
-    code = f"from kvprefetch.bench.local_servers import wait_port; wait_port({port}, {timeout})"
+    code = f"from kvprefetch.testbed.local_servers import wait_port; wait_port({port}, {timeout})"
     out = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", code], capture_output=True, text=True)
     if out.returncode:
         raise TimeoutError(f"nothing listens on port {port} in network namespace {netns}: {out.stderr[-500:]}")
