@@ -235,105 +235,114 @@ def _run_scenario(name: str, trace: Path, json_path: Path | None, plots: Path | 
         ttft_vs_concurrency(series, plots / "ttft_r2.png", "R2 (simulated): TTFT p50 vs concurrency")
 
 
+# `kvprefetch sim`'s options, declared once here so the command's signature reads as a list of names.
+ScenarioOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="validation scenario, 'all', 'bench' (with --bench-results), 'cluster': the whitepaper's "
+        "deployment on --nodes N nodes sharing its array (--concurrency: clients per node, default 16), or "
+        "'engine-memory': the whitepaper's 14B run (R5) with its engine KV cut to 1, 1/2, 1/4 and 1/8 of "
+        "what the accelerator leaves it, vLLM alone against kvprefetch (--concurrency: clients, default as "
+        "many as the full KV holds conversations)"
+    ),
+]
+BenchResultsOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        help="results.json of a `kvprefetch bench` run, or its directory, for --scenario bench (repeat for medians)"
+    ),
+]
+ModelOpt = Annotated[
+    str | None, typer.Option(help=f"catalog model; default {DEFAULT_MODEL}, or the calibrated one on {THIS_CPU}")
+]
+AcceleratorOpt = Annotated[str, typer.Option(help=f"catalog accelerator, or {THIS_CPU} (needs --calibration)")]
+StorageOpt = Annotated[
+    str,
+    typer.Option(
+        help=f"catalog storage, or {THIS_DISK} (needs --calibration); several, nearest first: "
+        "local-nvme,nvmeof-100gbe-raid0"
+    ),
+]
+CalibrationOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help=f"results.json of a `kvprefetch bench` run: defines {THIS_CPU} and {THIS_DISK} as it measured them"
+    ),
+]
+ConcurrencyOpt = Annotated[str | None, typer.Option(help="closed-loop clients, comma-separated (default 8,16,32)")]
+RateOpt = Annotated[
+    str | None, typer.Option(help="open loop instead: sessions starting per second (Poisson), comma-separated")
+]
+WorkloadOpt = Annotated[str, typer.Option(help="chat | context:CTX,NEW,OUT | trace:PATH")]
+DramOpt = Annotated[float | None, typer.Option(help="host DRAM tier size; default unbounded")]
+IODepthOpt = Annotated[
+    int,
+    typer.Option(
+        min=1,
+        help="reads kvprefetch keeps in flight (its io.threads): storage that needs more streams than this "
+        "to reach its bandwidth is read slower",
+    ),
+]
+EvictionOpt = Annotated[
+    Eviction,
+    typer.Option(help="DRAM tier: plain LRU, or queue-aware (queued requests' prefetched KV stays until admitted)"),
+]
+SweepOpt = Annotated[bool, typer.Option(help="find the storage bandwidth prefetch needs")]
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="write rows as JSON")]
+PlotsOpt = Annotated[Path | None, typer.Option(help="directory for PNG plots")]
+NodesOpt = Annotated[str, typer.Option(help="--scenario cluster: numbers of nodes sharing the whitepaper's array")]
+
+
 def register(app: typer.Typer) -> None:
     """Add the `sim` command to the main CLI."""
+    app.command()(sim)
 
-    @app.command()
-    def sim(
-        scenario: Annotated[
-            str | None,
-            typer.Option(
-                help="validation scenario, 'all', 'bench' (with --bench-results), 'cluster': the whitepaper's "
-                "deployment on --nodes N nodes sharing its array (--concurrency: clients per node, default 16), or "
-                "'engine-memory': the whitepaper's 14B run (R5) with its engine KV cut to 1, 1/2, 1/4 and 1/8 of "
-                "what the accelerator leaves it, vLLM alone against kvprefetch (--concurrency: clients, default as "
-                "many as the full KV holds conversations)"
-            ),
-        ] = None,
-        bench_results: Annotated[
-            list[Path] | None,
-            typer.Option(
-                help="results.json of a `kvprefetch bench` run, or its directory, for --scenario bench (repeat for "
-                "medians)"
-            ),
-        ] = None,
-        model: Annotated[
-            str | None,
-            typer.Option(help=f"catalog model; default {DEFAULT_MODEL}, or the calibrated one on {THIS_CPU}"),
-        ] = None,
-        accelerator: Annotated[
-            str, typer.Option(help=f"catalog accelerator, or {THIS_CPU} (needs --calibration)")
-        ] = "mi308x",
-        tp: int = 8,
-        storage: Annotated[
-            str,
-            typer.Option(
-                help=f"catalog storage, or {THIS_DISK} (needs --calibration); several, nearest first: "
-                "local-nvme,nvmeof-100gbe-raid0"
-            ),
-        ] = "nvmeof-100gbe-raid0",
-        calibration: Annotated[
-            Path | None,
-            typer.Option(
-                help=f"results.json of a `kvprefetch bench` run: defines {THIS_CPU} and {THIS_DISK} as it measured them"
-            ),
-        ] = None,
-        concurrency: Annotated[
-            str | None, typer.Option(help="closed-loop clients, comma-separated (default 8,16,32)")
-        ] = None,
-        rate: Annotated[
-            str | None,
-            typer.Option(help="open loop instead: sessions starting per second (Poisson), comma-separated"),
-        ] = None,
-        workload: Annotated[str, typer.Option(help="chat | context:CTX,NEW,OUT | trace:PATH")] = "context",
-        policies: str = "recompute,ondemand-sync,ondemand,prefetch,dram",
-        efficiency: float = 0.4,
-        dram_gb: Annotated[float | None, typer.Option(help="host DRAM tier size; default unbounded")] = None,
-        io_depth: Annotated[
-            int,
-            typer.Option(
-                min=1,
-                help="reads kvprefetch keeps in flight (its io.threads): storage that needs more streams than this "
-                "to reach its bandwidth is read slower",
-            ),
-        ] = IOConfig.model_fields["threads"].default,
-        eviction: Annotated[
-            Eviction,
-            typer.Option(
-                help="DRAM tier: plain LRU, or queue-aware (queued requests' prefetched KV stays until admitted)"
-            ),
-        ] = Eviction.LRU,
-        sweep: Annotated[bool, typer.Option(help="find the storage bandwidth prefetch needs")] = False,
-        trace: Path = Path("../shared/data/mooncake/synthetic_trace.jsonl"),
-        json: Annotated[Path | None, typer.Option("--json", help="write rows as JSON")] = None,
-        plots: Annotated[Path | None, typer.Option(help="directory for PNG plots")] = None,
-        nodes: Annotated[
-            str, typer.Option(help="--scenario cluster: numbers of nodes sharing the whitepaper's array")
-        ] = "1,2,4,8,16",
-    ) -> None:
-        """Simulate tiered KV serving: reproduce published figures or plan a deployment."""
-        if scenario == "bench":
-            _run_bench_scenario(bench_results, json)
-            return
-        if scenario == "cluster":
-            _run_cluster(nodes, concurrency, json, plots)
-            return
-        if scenario == "engine-memory":
-            _run_engine_memory(concurrency, json, plots)
-            return
-        if scenario:
-            _run_scenario(scenario, trace, json, plots)
-            return
-        setup = _setup(model, accelerator, tp, storage, efficiency, dram_gb, io_depth, calibration, eviction)
-        loads = _loads(workload, concurrency, rate)
-        try:
-            parse_workload(workload, loads[0])  # a bad spec or an unreadable trace fails here, by name
-        except (ValueError, OSError) as err:
-            raise typer.BadParameter(f"--workload: {err}") from None
-        if sweep:
-            _run_sweep(setup, workload, loads, json, plots)
-            return
-        _run_freeform(setup, workload, loads, _policies(policies), json, plots)
+
+def sim(
+    scenario: ScenarioOpt = None,
+    bench_results: BenchResultsOpt = None,
+    model: ModelOpt = None,
+    accelerator: AcceleratorOpt = "mi308x",
+    tp: int = 8,
+    storage: StorageOpt = "nvmeof-100gbe-raid0",
+    calibration: CalibrationOpt = None,
+    concurrency: ConcurrencyOpt = None,
+    rate: RateOpt = None,
+    workload: WorkloadOpt = "context",
+    policies: str = "recompute,ondemand-sync,ondemand,prefetch,dram",
+    efficiency: float = 0.4,
+    dram_gb: DramOpt = None,
+    io_depth: IODepthOpt = IOConfig.model_fields["threads"].default,
+    eviction: EvictionOpt = Eviction.LRU,
+    sweep: SweepOpt = False,
+    trace: Path = Path("../shared/data/mooncake/synthetic_trace.jsonl"),
+    json: JsonOpt = None,
+    plots: PlotsOpt = None,
+    nodes: NodesOpt = "1,2,4,8,16",
+) -> None:
+    """Simulate tiered KV serving: reproduce published figures or plan a deployment."""
+    if scenario == "bench":
+        _run_bench_scenario(bench_results, json)
+        return
+    if scenario == "cluster":
+        _run_cluster(nodes, concurrency, json, plots)
+        return
+    if scenario == "engine-memory":
+        _run_engine_memory(concurrency, json, plots)
+        return
+    if scenario:
+        _run_scenario(scenario, trace, json, plots)
+        return
+    setup = _setup(model, accelerator, tp, storage, efficiency, dram_gb, io_depth, calibration, eviction)
+    loads = _loads(workload, concurrency, rate)
+    try:
+        parse_workload(workload, loads[0])  # a bad spec or an unreadable trace fails here, by name
+    except (ValueError, OSError) as err:
+        raise typer.BadParameter(f"--workload: {err}") from None
+    if sweep:
+        _run_sweep(setup, workload, loads, json, plots)
+        return
+    _run_freeform(setup, workload, loads, _policies(policies), json, plots)
 
 
 def _policies(text: str) -> list[Policy]:
