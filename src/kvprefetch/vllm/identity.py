@@ -198,13 +198,12 @@ def adapter_fingerprint(path: str | os.PathLike) -> str | None:
         cached = _fingerprints.get(str(path))
     if cached is not None and cached[0] == signature:
         return cached[1]
-    h = blake3.blake3(b"kvprefetch-lora-v1\0")
+    # (memory-mapped, on every core: a large adapter's first request waits for this once per process)
+    h = blake3.blake3(b"kvprefetch-lora-v1\0", max_threads=blake3.blake3.AUTO)
     try:
         for f, _ in files:
             h.update(f.name.encode() + b"\0")
-            with open(f, "rb") as fh:
-                while block := fh.read(1 << 22):
-                    h.update(block)
+            h.update_mmap(f)
     except OSError as err:
         log.warning("kvprefetch: LoRA adapter %s cannot be read (%s)", path, err)
         return None
