@@ -19,6 +19,7 @@ from kvprefetch.bench.regime import DEFAULT_REGIME
 from kvprefetch.bench.two_node import TwoNodeOptions
 from kvprefetch.modes import SIMULATED as BENCH_MODES
 from kvprefetch.testbed.protocol import EngineSpec, Placement
+from kvprefetch.testbed.server import TINY_MODEL
 from kvprefetch.testbed.topology import Topology, TopologyKind, plan_topology
 from kvprefetch.workload.agent import AgentBench, agent_workload
 from kvprefetch.workload.replay import (
@@ -32,7 +33,7 @@ from kvprefetch.workload.replay import (
     trace_workload,
 )
 
-PACKAGED_MODEL = Path(__file__).with_name("models") / "tiny-llama"
+PACKAGED_MODEL = TINY_MODEL  # (the testbed ships it: `kvprefetch serve kvprefetch-tiny` serves it too)
 DEFAULT_MODES = ["recompute", "ondemand-serial", "ondemand-sync", "ondemand", "prefetch", "dram", "vllm-example",
                  "lmcache"]
 DEFAULT_CONCURRENCY = [1, 8, 16, 32]

@@ -180,10 +180,10 @@ def model_from_hf_config(path: str | Path, name: str | None = None) -> Model:
     )
 
 
-BENCH_MODEL_CONFIG = Path(__file__).resolve().parents[1] / "bench" / "models" / "tiny-llama" / "config.json"
+BENCH_MODEL_CONFIG = Path(__file__).resolve().parents[1] / "testbed" / "models" / "tiny-llama" / "config.json"
 MODELS["tiny-llama"] = replace(
     model_from_hf_config(BENCH_MODEL_CONFIG),
-    source="kvprefetch/bench/models/tiny-llama/config.json, the benchmark's model (fp32 on CPU); params computed",
+    source="kvprefetch/testbed/models/tiny-llama/config.json, the benchmark's model (fp32 on CPU); params computed",
 )
 
 ACCELERATORS: dict[str, Accelerator] = {

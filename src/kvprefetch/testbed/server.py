@@ -6,7 +6,7 @@ does and measures TTFT; the server's `/metrics` carries vLLM's metrics and kvpre
 `compare_servers` runs the same rounds against one server per mode (the bench's modes, `kvprefetch.bench.modes`)
 so a user can put kvprefetch's figures next to their own `vllm bench serve` runs.
 
-The shipped tiny model (`bench/models/tiny-llama`, dummy weights) has no tokenizer, and the OpenAI server and the
+The shipped tiny model (`testbed/models/tiny-llama`, dummy weights) has no tokenizer, and the OpenAI server and the
 benchmark client both work on text: `write_word_tokenizer` makes one word per token id ("w0" ... "wN"), so any
 id sequence decodes to text that encodes back to the same ids (what `prefix_repetition` prompts rely on).
 """
