@@ -225,22 +225,6 @@ def _adapter_files(path: Path) -> list[tuple[Path, os.stat_result]] | None:
     return files
 
 
-# ---- served without the tiers: told once per reason --------------------------------------------------------------
-class UntieredLog:
-    """Logs a reason the first time a request is served without the tiers for it (then only counts)."""
-
-    def __init__(self) -> None:
-        self._told: set[str] = set()
-
-    def tell(self, why: Untiered, req_id: str) -> None:
-        if why.reason in self._told:
-            return
-        self._told.add(why.reason)
-        log.warning("kvprefetch: request %s served without the tiers: %s (%s); further such requests are only "
-                    "counted (vllm:kvprefetch_untiered_requests_total{reason=%r})",
-                    req_id, UNTIERED_REASONS.get(why.reason, why.reason), why.detail, why.reason)  # fmt: skip
-
-
 def event_extra_keys(request: Any, first_block: int, end_block: int, block_size: int) -> list[Any] | None:
     """vLLM's extra keys of blocks [first_block, end_block) as its KV events publish them (`to_event_extra_keys`):
     what a router that hashes blocks itself needs to reproduce their hashes."""

@@ -62,7 +62,7 @@ from kvprefetch.episodes import EpisodeLog
 from kvprefetch.keys import ChunkKeyer
 from kvprefetch.tiers.chunk_format import image_bytes
 from kvprefetch.vllm.costmodel import CostModel, TierMeter
-from kvprefetch.vllm.identity import Identity, Untiered, UntieredLog, request_identity
+from kvprefetch.vllm.identity import UNTIERED_REASONS, Identity, Untiered, request_identity
 from kvprefetch.vllm.leases import Lease, Leases
 from kvprefetch.vllm.metadata import KVPrefetchMetadata, KVPrefetchWorkerMeta, LoadJob, SaveJob
 from kvprefetch.vllm.metrics import ConnectorCounters, RankCounters, hit_counter, untiered_counter
@@ -298,7 +298,6 @@ class SchedulerSide:
         self._landings = 0
         self.timeline = timeline()
         self.events = events
-        self._untiered_log = UntieredLog()
         self._idle_since: float | None = None  # (clock) since when the steps built have computed nothing
         self._episodes = EpisodeLog(log)
 
@@ -322,12 +321,17 @@ class SchedulerSide:
 
     def _identify(self, st: _Req) -> bool:
         """Establish the request's identity (`identity.request_identity`) the first time it has a whole chunk;
-        False if it is served without the tiers (counted, and logged once per reason)."""
+        False if it is served without the tiers (counted, and logged once per episode of its reason)."""
         if st.identity is None:
             st.identity = request_identity(st.request, self.block_size)
             if isinstance(st.identity, Untiered):
-                self.counters.inc(untiered_counter(st.identity.reason))
-                self._untiered_log.tell(st.identity, st.req_id)
+                why = st.identity
+                self.counters.inc(untiered_counter(why.reason))
+                self._episodes.warn(
+                    "untiered:" + why.reason, "kvprefetch: request %s served without the tiers: %s (%s); counted in "
+                    "vllm:kvprefetch_untiered_requests_total{reason=%r} (one line per episode)",
+                    st.req_id, UNTIERED_REASONS.get(why.reason, why.reason), why.detail, why.reason,
+                )  # fmt: skip
                 self.timeline.event("untiered", st.req_id, reason=st.identity.reason)
         return isinstance(st.identity, Identity)
 
