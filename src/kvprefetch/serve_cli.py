@@ -55,12 +55,13 @@ def build_extra(config: Path | None, extra_json: str | None, sets: list[str]) ->
     return extra
 
 
-def check_extra(extra: dict[str, Any]) -> None:
-    """Validate as the connector will (store config and connector keys), so a typo fails here, not in vLLM."""
-    from kvprefetch.vllm.settings import parse_extra_config
+def checked_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's kv_transfer_config for `extra` (`kvprefetch.vllm.transfer_config`, which checks it as the connector
+    will: store config and connector keys), so a typo fails here, not in vLLM."""
+    from kvprefetch.vllm import transfer_config
 
     try:
-        parse_extra_config(extra)
+        return transfer_config(extra)
     except (ValueError, ConfigError) as err:
         raise ConfigError(f"kvprefetch connector config: {err}") from None
 
@@ -80,7 +81,6 @@ def serve(
     e.g. `kvprefetch serve meta-llama/Llama-3.1-8B -c kvprefetch.yaml --port 8000 --max-model-len 32768`
     """
     from kvprefetch.testbed.server import TINY_MODEL_ARGS, server_argv, tiny_model_dir
-    from kvprefetch.vllm import transfer_config
 
     vllm_args = list(ctx.args)
     if model == TINY and not Path(TINY).exists():
@@ -89,12 +89,10 @@ def serve(
     transfer = None
     if connector:
         try:
-            extra_cfg = build_extra(config, extra, sets or [])
-            check_extra(extra_cfg)
+            transfer = checked_transfer_config(build_extra(config, extra, sets or []))
         except ConfigError as err:
             console.print(f"[red]{err}[/red]")
             raise typer.Exit(2) from None
-        transfer = transfer_config(extra_cfg)
         vllm_args += ["--middleware", WARM_MIDDLEWARE]  # POST /v1/kvprefetch/warm on vLLM's own port
     if not any(a == "--shutdown-timeout" or a.startswith("--shutdown-timeout=") for a in vllm_args):
         vllm_args += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
