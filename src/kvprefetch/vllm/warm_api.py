@@ -294,9 +294,9 @@ def _adapter(state: Any, model: str) -> dict[str, str]:
     served = _served_models(state)
     if model in served:
         return {}
-    lora = getattr(getattr(state, "openai_serving_models", None), "lora_requests", {}).get(model)
+    lora = _adapters(state).get(model)
     if lora is None:
-        adapters = sorted(getattr(getattr(state, "openai_serving_models", None), "lora_requests", {}))
+        adapters = sorted(_adapters(state))
         raise WarmError(404, f"The model `{model}` does not exist (served: {', '.join(served + adapters)}).",
                         "NotFoundError")  # fmt: skip
     return {"lora_name": lora.lora_name, "lora_path": lora.lora_path}
@@ -329,6 +329,11 @@ def _served_models(state: Any) -> list[str]:
     return [p.name for p in getattr(models, "base_model_paths", ())]
 
 
+def _adapters(state: Any) -> dict[str, Any]:
+    """The LoRA adapters the server serves, by name (vLLM's `LoRARequest`s)."""
+    return getattr(getattr(state, "openai_serving_models", None), "lora_requests", {})
+
+
 def _engine_id(state: Any) -> str:
     config = getattr(getattr(state, "vllm_config", None), "kv_transfer_config", None)
     if config is None or not getattr(config, "engine_id", None):
@@ -359,7 +364,7 @@ async def _tokenize(request: Any, body: WarmBody) -> tuple[list[int], list[list[
 async def _render_chat(request: Any, service: Any, chat: Any) -> tuple[list[int], list[list[Any]]]:
     """A chat body rendered as vLLM's tokenization service renders it for ``/tokenize`` (its template, its media
     processing, without touching the multimodal cache the engine shares), keeping what ``/tokenize`` drops: the
-    content hash and placeholder range of each image, audio or video (`mm_items`)."""
+    content hash and placeholder range of each image, audio or video (`_rendered_mm_items`)."""
     error = await service._check_model(chat)
     if error is None:
         error = service.online_renderer.validate_chat_template(
@@ -375,16 +380,16 @@ async def _render_chat(request: Any, service: Any, chat: Any) -> tuple[list[int]
         default_template_kwargs=service.default_chat_template_kwargs, tool_dicts=tools, skip_mm_cache=True,
     )  # fmt: skip
     (engine_input,) = inputs
-    return list(engine_input["prompt_token_ids"]), mm_items(request.app.state, engine_input, chat.model)
+    return list(engine_input["prompt_token_ids"]), _rendered_mm_items(request.app.state, engine_input, chat.model)
 
 
-def mm_items(state: Any, engine_input: Any, model: str) -> list[list[Any]]:
+def _rendered_mm_items(state: Any, engine_input: Any, model: str) -> list[list[Any]]:
     """Each multimodal item of a rendered prompt as the engine will name it (`MultiModalFeatureSpec`): its content
     hash (prefixed with the adapter's name where vLLM's tower LoRA makes the embeddings the adapter's) and its
     placeholder range."""
     if engine_input.get("type") != "multimodal":
         return []
-    lora = getattr(getattr(state, "openai_serving_models", None), "lora_requests", {}).get(model)
+    lora = _adapters(state).get(model)
     lora_config = getattr(getattr(state, "vllm_config", None), "lora_config", None)
     prefix = f"{lora.lora_name}:" if lora and getattr(lora_config, "enable_tower_connector_lora", False) else ""
     items = []
