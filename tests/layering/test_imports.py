@@ -142,10 +142,14 @@ def _under(m: str, prefixes: tuple[str, ...]) -> bool:
     return any(m == p or m.startswith(p + ".") for p in prefixes)
 
 
+def _crossing(sources: tuple[str, ...], targets: tuple[str, ...]) -> set[tuple[str, str]]:
+    """Every import of a module under `targets` by a module under `sources`, as (importer, imported)."""
+    return {(m, d) for m, deps in import_graph().items() if _under(m, sources) for d in deps if _under(d, targets)}
+
+
 def test_core_does_not_import_the_layers_above():
     """keys, tiers, io, store and the workload models never reach up into connectors, bench, sim or the CLI."""
-    bad = {(m, d) for m, deps in import_graph().items() if _under(m, CORE) for d in deps if _under(d, ABOVE)}
-    assert bad == set()
+    assert _crossing(CORE, ABOVE) == set()
 
 
 def test_the_connectors_do_not_import_bench_or_sim_or_each_other():
@@ -165,36 +169,15 @@ def test_the_connectors_do_not_import_bench_or_sim_or_each_other():
 def test_the_loader_does_not_import_bench():
     """The weight loader runs inside vLLM's workers; its benchmark (bench.micro.loadbench) imports it, not the
     other way round."""
-    bad = {
-        (m, d)
-        for m, deps in import_graph().items()
-        if _under(m, ("kvprefetch.loader",))
-        for d in deps
-        if _under(d, ("kvprefetch.bench",))
-    }
-    assert bad == set()
+    assert _crossing(("kvprefetch.loader",), ("kvprefetch.bench",)) == set()
 
 
 def test_the_product_imports_neither_the_testbed_nor_the_bench():
     """The connectors, the loader and the core run in users' engines: what starts and drives engines for the bench
     and the tests (`kvprefetch.testbed`) and the bench itself stay out of them."""
-    bad = {
-        (m, d)
-        for m, deps in import_graph().items()
-        if _under(m, PRODUCT)
-        for d in deps
-        if _under(d, ("kvprefetch.testbed", "kvprefetch.bench"))
-    }
-    assert bad == set()
+    assert _crossing(PRODUCT, ("kvprefetch.testbed", "kvprefetch.bench")) == set()
 
 
 def test_the_testbed_imports_nothing_of_the_bench():
     """The bench is built on the testbed (as the tests and `kvprefetch serve` are), never the other way round."""
-    bad = {
-        (m, d)
-        for m, deps in import_graph().items()
-        if _under(m, ("kvprefetch.testbed",))
-        for d in deps
-        if _under(d, ("kvprefetch.bench",))
-    }
-    assert bad == set()
+    assert _crossing(("kvprefetch.testbed",), ("kvprefetch.bench",)) == set()
