@@ -723,9 +723,9 @@ _LORA_IDS: dict[tuple[str, str], int] = {}  # (name, path) -> vLLM's per-process
 
 
 def _prompt(tokens: list[int], who: P.PromptIdentity | None) -> tuple[dict[str, Any], Any]:
-    """vLLM's prompt and LoRA request for a prompt of `tokens` with an identity (`P.PromptIdentity`)."""
-    if who is None:
-        return {"prompt_token_ids": tokens}, None
+    """vLLM's prompt and LoRA request for a prompt of `tokens` with an identity (`P.PromptIdentity`; None: tokens
+    alone, for the base model)."""
+    who = who or P.PromptIdentity()
     prompt: dict[str, Any] = {"prompt_token_ids": tokens}
     if who.embeds_file:
         from safetensors.torch import load_file
