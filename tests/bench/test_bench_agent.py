@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvprefetch.bench.plan import BenchOptions
+from kvprefetch.bench.options import BenchOptions, EngineOptions, FileOptions, WorkloadOptions
 from kvprefetch.workload.agent import AgentBench
 
 pytest.importorskip("vllm")
@@ -19,17 +19,16 @@ def test_agent_bench_lease_and_warm_end_to_end(tmp_path):
     opts = BenchOptions(
         modes=["prefetch", "lease", "warm"],
         concurrency=[1],
-        regime=10.0,
+        regimes=(10.0,),
         repeats=1,
-        max_num_seqs=None,
-        agent=AgentBench(task_tokens=768, answer_tokens=8, tool_tokens=8, measured_turns=3, gap_min_s=0.6,
-                         gap_max_s=0.8, min_sessions=2, sessions_per_concurrency=1.0),
-        out=tmp_path / "out",
-        cache_dir=tmp_path / "cache",
+        workload=WorkloadOptions(agent=AgentBench(task_tokens=768, answer_tokens=8, tool_tokens=8, measured_turns=3,
+                                                  gap_min_s=0.6, gap_max_s=0.8, min_sessions=2,
+                                                  sessions_per_concurrency=1.0)),
+        files=FileOptions(out=tmp_path / "out", cache_dir=tmp_path / "cache"),
         cell_timeout_s=300,
         # leases, warm-ups and the DRAM pressure do not depend on where the threads run: the gpu-node topology
         # (a worker process per engine, seconds more to start each of the four) is test_bench_e2e's to check
-        topology="shared",
+        engine=EngineOptions(max_num_seqs=None, topology="shared"),
     )
     results = run_and_report(opts)
     rows = {r["mode"]: r for r in results["rows"]}
@@ -43,7 +42,7 @@ def test_agent_bench_lease_and_warm_end_to_end(tmp_path):
     # (each head is read from disk, or recomputed where the load-or-recompute rule found the disk slower: a stall of
     # the shared disk, seen once in CI, made it recompute two turns' heads; that is the rule working, not a miss)
     pf = rows["prefetch"]
-    slower = pf["recomputed_slower_chunks"] * opts.chunk_tokens / pf["prompt_tokens"]
+    slower = pf["recomputed_slower_chunks"] * opts.store.chunk_tokens / pf["prompt_tokens"]
     assert pf["share_dram"] == 0 and pf["share_disk"] + slower > 0.9, pf
     # a lease on finish kept turns 2 and 3's heads in DRAM (turn 1's was in the prelude, long gone)
     assert rows["lease"]["lease_peak_pinned_keys"] >= 3 and rows["lease"]["hints"] == 0

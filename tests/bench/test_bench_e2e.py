@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvprefetch.bench.plan import BenchOptions
+from kvprefetch.bench.options import BenchOptions, EngineOptions, FileOptions, WorkloadOptions
 from kvprefetch.workload.replay import ChatBench
 
 pytest.importorskip("vllm")
@@ -20,10 +20,10 @@ def test_modes_in_two_interleaved_rounds_end_to_end(tmp_path):
     opts = BenchOptions(
         modes=["recompute", "ondemand-serial", "prefetch"],
         concurrency=[2],
-        regime=10.0,
+        regimes=(10.0,),
         repeats=2,
-        max_num_seqs=None,
-        chat=ChatBench(
+        engine=EngineOptions(max_num_seqs=None),
+        workload=WorkloadOptions(chat=ChatBench(
             system_tokens=256,
             history_tokens=768,
             user_tokens=128,
@@ -32,11 +32,9 @@ def test_modes_in_two_interleaved_rounds_end_to_end(tmp_path):
             min_sessions=3,
             sessions_per_concurrency=1.0,
             think_s=0.1,
-        ),
-        out=tmp_path / "out",
-        cache_dir=tmp_path / "cache",
+        )),
+        files=FileOptions(out=tmp_path / "out", cache_dir=tmp_path / "cache", step_log=True),
         cell_timeout_s=300,
-        step_log=True,
     )
     results = run_and_report(opts)
     rows = {r["mode"]: r for r in results["rows"]}

@@ -17,9 +17,9 @@ from kvprefetch.bench.modes import (
     route_turn,
     two_instance_caches,
 )
-from kvprefetch.bench.plan import DEFAULT_MODES
-from kvprefetch.bench.two_instance import drive_alternating
+from kvprefetch.bench.options import DEFAULT_MODES
 from kvprefetch.testbed import protocol as P
+from kvprefetch.testbed.alternating import drive_alternating
 from kvprefetch.testbed.snapshots import merge_snapshots
 
 SIZING = StoreSizing(chunk_tokens=256, dram_bytes=64 << 20, disk_bytes=1 << 30)

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from kvprefetch.bench.plan import BenchOptions
+from kvprefetch.bench.options import BenchOptions, EngineOptions, FileOptions, WorkloadOptions
 from kvprefetch.workload.replay import ChatBench
 
 pytest.importorskip("vllm")
@@ -22,10 +22,9 @@ def test_two_instance_and_remote_end_to_end(tmp_path):
     opts = BenchOptions(
         modes=modes,
         concurrency=[2],
-        regime=None,
+        regimes=(None,),
         repeats=1,
-        max_num_seqs=None,
-        chat=ChatBench(
+        workload=WorkloadOptions(chat=ChatBench(
             system_tokens=256,
             history_tokens=768,
             user_tokens=512,
@@ -35,14 +34,13 @@ def test_two_instance_and_remote_end_to_end(tmp_path):
             sessions_per_concurrency=1.0,
             think_s=0.05,
             prelude_turns=1,
-        ),
-        out=tmp_path / "out",
-        cache_dir=tmp_path / "cache",
+        )),
+        files=FileOptions(out=tmp_path / "out", cache_dir=tmp_path / "cache"),
         cell_timeout_s=300,
         # what this test is about (which caches the instances share) does not depend on where the threads run:
         # the gpu-node topology (a worker process per engine, ~14 s more to start each of the six) is
         # test_bench_e2e's to check; nothing here reads the modes' own calibrations either
-        topology="shared",
+        engine=EngineOptions(max_num_seqs=None, topology="shared"),
         calibrate_modes=False,
     )
     results = run_and_report(opts)

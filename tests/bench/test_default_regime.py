@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvprefetch.bench.plan import BenchOptions
+from kvprefetch.bench.options import BenchOptions
 from kvprefetch.bench.regime import DEFAULT_REGIME, whitepaper_r2
 from kvprefetch.workload.replay import CONTEXT, CONTEXT_MAX_NUM_SEQS, chat_workload, reuse_summary
 
@@ -18,7 +18,8 @@ def test_default_regime_is_r2s_derived_r():
 
 def test_default_workload_reuses_what_r2_reused_and_queues():
     opts = BenchOptions()
-    assert opts.chat is CONTEXT and opts.max_num_seqs == CONTEXT_MAX_NUM_SEQS < min(opts.concurrency[1:])
+    assert opts.workload.chat is CONTEXT
+    assert opts.engine.max_num_seqs == CONTEXT_MAX_NUM_SEQS < min(opts.concurrency[1:])
     w = chat_workload(CONTEXT, opts.concurrency, 1000)
     reuse = reuse_summary(w, 256)
     assert reuse["reusable_share"] == pytest.approx(whitepaper_r2().reused_share, abs=0.01)

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from kvprefetch.bench import engine_memory_report as emr
 from kvprefetch.bench.bench_cli import BenchArgs, Scenario, Workload, bench_options, parse_engine_kv
-from kvprefetch.bench.plan import KvAsk, engine_sizes, plan_bench
+from kvprefetch.bench.options import KvAsk
+from kvprefetch.bench.plan import engine_sizes, plan_bench
 from kvprefetch.bench.report import markdown_report, write_outputs
 from kvprefetch.bench.rounds import aggregate
 from kvprefetch.cli import app
@@ -52,9 +53,9 @@ def test_sizes_put_the_full_size_first_always_and_measure_each_size_once():
 
 
 def test_engine_kv_defaults_to_chat_inside_the_run_with_three_modes_at_one_level():
-    opts = bench_options(BenchArgs(engine_kv="0.125,0.25,0.5,1", workload=Workload.chat))
+    opts = bench_options(BenchArgs.of(engine_kv="0.125,0.25,0.5,1", workload=Workload.chat))
     assert opts.modes == ["recompute", "prefetch", "dram"] and opts.concurrency == [8] and opts.repeats == 3
-    assert opts.chat == IN_RUN and opts.max_num_seqs is None  # nothing queues behind the engine's batch
+    assert opts.workload.chat == IN_RUN and opts.engine.max_num_seqs is None  # nothing queues behind the engine's batch
     plan = plan_bench(opts)
     longest = plan.workload.max_len()  # a prompt and its answer
     # the full size holds every client's conversation at its longest (at least 8): vLLM alone keeps all its
@@ -64,8 +65,8 @@ def test_engine_kv_defaults_to_chat_inside_the_run_with_three_modes_at_one_level
     assert [s.share for s in plan.sizes] == [1.0, 0.5, 0.25, 0.125] and all(s.fits for s in plan.sizes)
     assert not plan.calibrates  # the simulator's bench replay does not model a sweep of engine sizes
     # asked modes and levels win; the context workload keeps its own shape
-    opts = bench_options(BenchArgs(engine_kv="0.5", workload=Workload.context, mode=["prefetch"], concurrency="4"))
-    assert opts.modes == ["prefetch"] and opts.concurrency == [4] and opts.chat == CONTEXT
+    opts = bench_options(BenchArgs.of(engine_kv="0.5", workload=Workload.context, mode=["prefetch"], concurrency="4"))
+    assert opts.modes == ["prefetch"] and opts.concurrency == [4] and opts.workload.chat == CONTEXT
 
 
 @pytest.mark.parametrize(("args", "says"), [
@@ -74,7 +75,7 @@ def test_engine_kv_defaults_to_chat_inside_the_run_with_three_modes_at_one_level
 ])  # fmt: skip
 def test_engine_kv_refuses_what_it_cannot_pair(args, says):
     with pytest.raises(typer.BadParameter, match=says):
-        bench_options(BenchArgs(engine_kv="0.5", **args))
+        bench_options(BenchArgs.of(engine_kv="0.5", **args))
 
 
 def test_the_cli_names_a_bad_engine_kv():

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvprefetch.bench.plan import BenchOptions, KvAsk
+from kvprefetch.bench.options import (
+    BenchOptions,
+    EngineOptions,
+    FileOptions,
+    KvAsk,
+    SingleOptions,
+    WorkloadOptions,
+)
 from kvprefetch.workload.replay import IN_RUN
 
 pytest.importorskip("vllm")
@@ -22,9 +29,12 @@ def test_every_mode_at_every_engine_size_in_interleaved_rounds(tmp_path):
                                "output_tokens": 8, "measured_turns": 3, "think_s": 0.2, "min_sessions": 2,
                                "sessions_per_concurrency": 1.0})  # fmt: skip
     full = 2 * (1280 + 128) * TOKEN_BYTES  # two requests of max_model_len (1280) and vLLM's null block: 1/2 holds one
-    opts = BenchOptions(modes=["recompute", "prefetch"], concurrency=[2], regime=10.0, repeats=2, max_num_seqs=None,
-                        chat=chat, kv_cache_bytes=full, engine_kv=[KvAsk(0.5), KvAsk(0.25)],
-                        out=tmp_path / "out", cache_dir=tmp_path / "cache", cell_timeout_s=300)  # fmt: skip
+    opts = BenchOptions(modes=["recompute", "prefetch"], concurrency=[2], regimes=(10.0,), repeats=2,
+                        engine=EngineOptions(max_num_seqs=None, kv_cache_bytes=full),
+                        workload=WorkloadOptions(chat=chat),
+                        scenario=SingleOptions(engine_kv=(KvAsk(0.5), KvAsk(0.25))),
+                        files=FileOptions(out=tmp_path / "out", cache_dir=tmp_path / "cache"),
+                        cell_timeout_s=300)  # fmt: skip
     results = run_and_report(opts)
     assert results["config"]["max_model_len"] == 1280
     by = {(r["mode"], r["engine_kv_share"]): r for r in results["rows"]}

@@ -58,21 +58,26 @@ def test_io_threads_run_on_the_configured_cores_whatever_their_creator_is_bound_
 
 def test_a_cell_waits_for_another_engines_polling_to_stop_but_not_for_its_own():
     import time
+    from pathlib import Path
 
-    from kvprefetch.bench.plan import BenchOptions
-    from kvprefetch.bench.runner import ENGINE_SETTLE_S, Bench
+    from kvprefetch.bench.lab import ENGINE_SETTLE_S, Lab, Progress
+    from kvprefetch.bench.options import BenchOptions, EngineOptions
+    from kvprefetch.bench.plan import plan_bench
+    from kvprefetch.bench.populate import RunFiles
 
-    bench = Bench(BenchOptions(modes=["ondemand", "prefetch"], concurrency=[2], topology="gpu-node"))
-    assert bench.plan.topology.kind == "gpu-node"
+    plan = plan_bench(BenchOptions(modes=["ondemand", "prefetch"], concurrency=[2],
+                                   engine=EngineOptions(topology="gpu-node")))  # fmt: skip
+    lab = Lab(plan, RunFiles("t", Path()), Progress(None), print, print)
+    assert plan.topology.kind == "gpu-node"
 
     def settle(mode: str) -> float:
         t0 = time.monotonic()
-        bench._settle(mode)
+        lab.settle(mode)
         return time.monotonic() - t0
 
     assert settle("prefetch") < 0.05  # nothing ran yet
-    bench.last_active = ("ondemand", time.monotonic())
+    lab.ran("ondemand")
     assert settle("ondemand") < 0.05  # the levels of one mode follow each other on its own engine
     assert ENGINE_SETTLE_S - 0.1 <= settle("prefetch") <= ENGINE_SETTLE_S + 0.5
-    bench.last_active = ("ondemand", time.monotonic() - ENGINE_SETTLE_S)  # finished long enough ago
+    time.sleep(ENGINE_SETTLE_S)  # finished long enough ago
     assert settle("prefetch") < 0.05

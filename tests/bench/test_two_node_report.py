@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvprefetch.bench.modes import TWO_NODE_MODES, StoreSizing, node_transfer_config, route
-from kvprefetch.bench.two_node import TwoNodeOptions
+from kvprefetch.bench.options import TwoNodeOptions
 from kvprefetch.bench.two_node_report import fault_windows, goals, markdown_lines
 from kvprefetch.testbed.cluster import node_placement
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 
 if TYPE_CHECKING:
-    from kvprefetch.bench.plan import BenchOptions, KvAsk
+    from kvprefetch.bench.options import BenchOptions, EngineOptions, KvAsk, ScenarioOptions, TwoNodeOptions
     from kvprefetch.workload.agent import AgentBench
     from kvprefetch.workload.replay import ChatBench, TraceBench
 
@@ -262,28 +262,25 @@ RemoteBackendOpt = Annotated[
 
 
 @dataclass(frozen=True)
-class BenchArgs:
-    """The command's options as typed (`bench`'s parameters, one for one)."""
+class RunArgs:
+    """What runs: the modes, the levels, the regimes, the rounds, the scenario."""
 
     mode: list[str] | None = None
     concurrency: str | None = None
     regime: str = "18.2"
+    repeats: int | None = None
+    quick: bool = False
+    cell_timeout: float = 1800
+    scenario: Scenario = Scenario.single
+
+
+@dataclass(frozen=True)
+class WorkloadArgs:
+    """The workload and its sizes (the chat's and the agent's)."""
+
     workload: Workload = Workload.context
     gap_s: str = "0.5-3"
     dram_life_s: float = 0.4
-    repeats: int | None = None
-    topology: Topology = Topology.gpu_node
-    model: str | None = None
-    engine_arg: list[str] | None = None
-    out: Path | None = None
-    quick: bool = False
-    trace: Path | None = None
-    trace_length_scale: float | None = None
-    trace_time_scale: float = 1.0
-    trace_timestamps: bool = False
-    trace_utilisation: float = 0.8
-    trace_window_start: float = 0.3
-    trace_max_prompt_tokens: int = 2048
     system_tokens: int | None = None
     history_tokens: int | None = None
     user_tokens: int | None = None
@@ -292,32 +289,89 @@ class BenchArgs:
     think_s: float | None = None
     sessions_per_concurrency: float | None = None
     no_reuse: bool = False
-    chunk_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class TraceArgs:
+    """A trace to replay instead (`--trace` and its knobs)."""
+
+    trace: Path | None = None
+    trace_length_scale: float | None = None
+    trace_time_scale: float = 1.0
+    trace_timestamps: bool = False
+    trace_utilisation: float = 0.8
+    trace_window_start: float = 0.3
+    trace_max_prompt_tokens: int = 2048
+
+
+@dataclass(frozen=True)
+class EngineStoreArgs:
+    """The engines and their stores: model, vLLM arguments, where threads run, sizes."""
+
+    model: str | None = None
+    engine_arg: list[str] | None = None
+    topology: Topology = Topology.gpu_node
     kv_cache: str | None = None
     engine_kv: str | None = None
+    chunk_tokens: int | None = None
     dram: str | None = None
+    remote_backend: RemoteBackend = RemoteBackend.redis
+
+
+@dataclass(frozen=True)
+class FileArgs:
+    out: Path | None = None
     cache_dir: Path | None = None
     keep_cache: bool = False
     step_log: bool = False
-    cell_timeout: float = 1800
-    scenario: Scenario = Scenario.single
-    remote_backend: RemoteBackend = RemoteBackend.redis
+
+
+@dataclass(frozen=True)
+class TwoNodeArgs:
     faults: str = "link,pool"
     node_disk: bool = False
 
+
+@dataclass(frozen=True)
+class BenchArgs:
+    """The command's options as typed (`bench`'s parameters, one for one, grouped by what they shape)."""
+
+    run: RunArgs = RunArgs()
+    workload: WorkloadArgs = WorkloadArgs()
+    trace: TraceArgs = TraceArgs()
+    engine: EngineStoreArgs = EngineStoreArgs()
+    files: FileArgs = FileArgs()
+    two_node_args: TwoNodeArgs = TwoNodeArgs()
+
+    @classmethod
+    def of(cls, **params) -> BenchArgs:
+        """The groups from `bench`'s parameters by name (a name no group has is refused)."""
+        groups = {f.name: f.type for f in fields(cls)}
+        parts: dict[str, dict] = {name: {} for name in groups}
+        owner = {p.name: g for g, t in groups.items() for p in fields(_GROUP_TYPES[t])}
+        for name, value in params.items():
+            if name not in owner:
+                raise TypeError(f"bench has no option {name!r}")
+            parts[owner[name]][name] = value
+        return cls(**{g: _GROUP_TYPES[groups[g]](**kw) for g, kw in parts.items()})
+
     @property
     def two_instance(self) -> bool:
-        return self.scenario == Scenario.two_instance
+        return self.run.scenario == Scenario.two_instance
 
     @property
     def two_node(self) -> bool:
-        return self.scenario == Scenario.two_node
+        return self.run.scenario == Scenario.two_node
 
     @property
     def turns_asked(self) -> int | None:
         """--turns, or 4 for the two-instance and two-node scenarios' chat (each engine serves every other turn)."""
-        two = self.two_instance or (self.two_node and self.workload == Workload.chat)
-        return self.turns if self.turns is not None or not two else 4
+        two = self.two_instance or (self.two_node and self.workload.workload == Workload.chat)
+        turns = self.workload.turns
+        return turns if turns is not None or not two else 4
+
+
+_GROUP_TYPES = {t.__name__: t for t in (RunArgs, WorkloadArgs, TraceArgs, EngineStoreArgs, FileArgs, TwoNodeArgs)}
 
 
 def bench(
@@ -364,7 +418,7 @@ def bench(
     """The main benchmark: TTFT and throughput of tiered prefetch vs recompute, on-demand loads, all-in-DRAM and
     vLLM's own connector, on real vLLM engines, over a concurrency sweep, in a declared storage regime."""
     workload = workload or (Workload.chat if engine_kv else Workload.context)
-    args = BenchArgs(**locals())
+    args = BenchArgs.of(**locals())
     run_and_report(bench_options(args))
 
 
@@ -374,33 +428,60 @@ def register(app: typer.Typer) -> None:
 
 # ---- options -> BenchOptions ------------------------------------------------------------------------------------
 def bench_options(a: BenchArgs) -> BenchOptions:
-    from kvprefetch.bench.plan import BenchOptions
-    from kvprefetch.cli_args import parse_size
-    from kvprefetch.workload.replay import CONTEXT_MAX_NUM_SEQS
+    from kvprefetch.bench.options import BenchOptions, FileOptions, StoreOptions, WorkloadOptions
 
-    first, sweep = _regimes(a.regime) if not a.two_node else (None, [])  # there the link is the regime
+    r, f = a.run, a.files
+    regimes = _regimes(r.regime) if not a.two_node else (None,)  # there the link is the regime
     agent = _agent(a)
     chat, chat_preset = _chat(a)
     modes, concurrency = _modes_and_levels(a, agent)
-    chunk_tokens = a.chunk_tokens or (128 if a.trace is not None else 256)
+    e = a.engine
+    chunk_tokens = e.chunk_tokens or (128 if a.trace.trace is not None else 256)
     return BenchOptions(
-        modes=modes, concurrency=concurrency, regime=first, sweep=sweep, model=a.model,
-        engine_args=parse_engine_args(a.engine_arg or []), chat=chat, trace=_trace(a, chunk_tokens), agent=agent,
-        dram_life_s=a.dram_life_s, quick=a.quick, chunk_tokens=chunk_tokens, cache_dir=a.cache_dir,
-        keep_cache=a.keep_cache, step_log=a.step_log, cell_timeout_s=a.cell_timeout,
-        remote_backend=a.remote_backend.value, repeats=a.repeats or (1 if a.quick else 3),
-        topology=a.topology.value, calibrate_modes=not a.quick,
-        max_num_seqs=None if chat_preset or agent is not None else CONTEXT_MAX_NUM_SEQS,
-        kv_cache_bytes=parse_size(a.kv_cache) if a.kv_cache else None,
-        dram_bytes=parse_size(a.dram) if a.dram else None,
-        out=a.out or Path("bench-results") / dt.datetime.now().strftime("%Y%m%d-%H%M%S"),
-        two_node=_two_node(a), engine_kv=_engine_kv(a),
+        modes=modes, concurrency=concurrency, regimes=regimes, repeats=r.repeats or (1 if r.quick else 3),
+        quick=r.quick, calibrate_modes=not r.quick, cell_timeout_s=r.cell_timeout,
+        engine=_engine(a, chat_preset or agent is not None),
+        store=StoreOptions(chunk_tokens=chunk_tokens, dram_bytes=_size(e.dram), remote_backend=e.remote_backend.value),
+        workload=WorkloadOptions(chat=chat, trace=_trace(a, chunk_tokens), agent=agent,
+                                 dram_life_s=a.workload.dram_life_s),
+        files=FileOptions(out=f.out or Path("bench-results") / dt.datetime.now().strftime("%Y%m%d-%H%M%S"),
+                          cache_dir=f.cache_dir, keep_cache=f.keep_cache, step_log=f.step_log),
+        scenario=_scenario(a),
     )  # fmt: skip
+
+
+def _size(text: str | None) -> int | None:
+    from kvprefetch.cli_args import parse_size
+
+    return parse_size(text) if text else None
+
+
+def _engine(a: BenchArgs, nothing_queues: bool) -> EngineOptions:
+    """The engines' options; the chat presets and the agent run every session at once (nothing queues)."""
+    from kvprefetch.bench.options import EngineOptions
+    from kvprefetch.workload.replay import CONTEXT_MAX_NUM_SEQS
+
+    e = a.engine
+    return EngineOptions(model=e.model, engine_args=parse_engine_args(e.engine_arg or []),
+                         kv_cache_bytes=_size(e.kv_cache), topology=e.topology.value,
+                         max_num_seqs=None if nothing_queues else CONTEXT_MAX_NUM_SEQS)  # fmt: skip
+
+
+def _scenario(a: BenchArgs) -> ScenarioOptions:
+    """The scenario asked, with its own options."""
+    from kvprefetch.bench.options import SingleOptions, TwoInstanceOptions
+
+    if a.two_node:
+        return _two_node(a)
+    if a.two_instance:
+        _engine_kv(a)  # refused there
+        return TwoInstanceOptions()
+    return SingleOptions(engine_kv=tuple(_engine_kv(a)))
 
 
 def parse_engine_kv(text: str) -> list[KvAsk]:
     """--engine-kv: '0.125,0.25,1' (shares of the full size) or '32MiB,1GiB' (sizes), mixed if need be."""
-    from kvprefetch.bench.plan import KvAsk
+    from kvprefetch.bench.options import KvAsk
     from kvprefetch.cli_args import parse_size
 
     asks = []
@@ -423,32 +504,32 @@ def parse_engine_kv(text: str) -> list[KvAsk]:
 def _engine_kv(a: BenchArgs) -> list[KvAsk]:
     """The engine-memory sweep's sizes ([]: none); a sweep runs one engine per mode and size, so it runs
     neither the two-instance nor the two-node scenario, nor a regime sweep."""
-    if not a.engine_kv:
+    if not a.engine.engine_kv:
         return []
-    if a.scenario != Scenario.single:
+    if a.run.scenario != Scenario.single:
         raise typer.BadParameter("--engine-kv runs the single scenario (one engine per mode and size)")
-    if "," in a.regime:
+    if "," in a.run.regime:
         raise typer.BadParameter("--engine-kv runs in one regime: give --regime a single value")
-    return parse_engine_kv(a.engine_kv)
+    return parse_engine_kv(a.engine.engine_kv)
 
 
-def _two_node(a: BenchArgs):
-    """The two-node scenario's options (None: another scenario)."""
-    if not a.two_node:
-        return None
-    from kvprefetch.bench.two_node import TwoNodeOptions
+def _two_node(a: BenchArgs) -> TwoNodeOptions:
+    """The two-node scenario's options."""
+    from kvprefetch.bench.options import TwoNodeOptions
 
-    if a.workload == Workload.agent or a.trace is not None:
+    _engine_kv(a)  # refused there
+    if a.workload.workload == Workload.agent or a.trace.trace is not None:
         raise typer.BadParameter("the two-node scenario runs the context and chat workloads")
     from kvprefetch.testbed.netns import available
 
     if (why := available()) is not None:
         raise typer.BadParameter(f"the two-node scenario makes network namespaces: {why}")
-    if a.remote_backend != RemoteBackend.redis:
+    if a.engine.remote_backend != RemoteBackend.redis:
         raise typer.BadParameter("the two-node scenario's pool is redis-server for now (--remote-backend redis)")
-    faults = tuple(f.strip() for f in a.faults.split(",") if f.strip() and f.strip() != "none")
+    t = a.two_node_args
+    faults = tuple(f.strip() for f in t.faults.split(",") if f.strip() and f.strip() != "none")
     try:
-        return TwoNodeOptions(faults=faults, node_disk=a.node_disk)
+        return TwoNodeOptions(faults=faults, node_disk=t.node_disk)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
 
@@ -457,7 +538,7 @@ def _asked_modes(a: BenchArgs) -> list[str]:
     """-m's modes (repeated or comma lists), each checked; the two-instance scenario adds its two."""
     from kvprefetch.bench.modes import MODES, NODE_MODES, TWO_INSTANCE_MODES, TWO_NODE_MODES
 
-    modes = [m.strip() for item in (a.mode or []) for m in item.split(",") if m.strip()]
+    modes = [m.strip() for item in (a.run.mode or []) for m in item.split(",") if m.strip()]
     for m in modes:
         if m not in MODES:
             raise typer.BadParameter(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
@@ -476,46 +557,47 @@ def _modes_and_levels(a: BenchArgs, agent: AgentBench | None) -> tuple[list[str]
     """The modes and concurrency levels: those asked, else the workload's (the agent's, quick's, the default)."""
     from kvprefetch.bench import plan
     from kvprefetch.bench.modes import PEER_MODES
+    from kvprefetch.bench.options import DEFAULT_CONCURRENCY, DEFAULT_MODES
 
-    asked = _asked_modes(a)
-    modes = asked or list(plan.AGENT_MODES if agent is not None else plan.DEFAULT_MODES)
-    if a.engine_kv and not asked:
+    asked, r = _asked_modes(a), a.run
+    modes = asked or list(plan.AGENT_MODES if agent is not None else DEFAULT_MODES)
+    if a.engine.engine_kv and not asked:
         modes = list(plan.ENGINE_MEMORY_MODES)
-    if a.quick and not asked:  # an engine start and two cells each: the full run compares with them
+    if r.quick and not asked:  # an engine start and two cells each: the full run compares with them
         modes = [m for m in modes if m not in PEER_MODES]
-    levels = plan.QUICK_CONCURRENCY if a.quick else plan.DEFAULT_CONCURRENCY
+    levels = plan.QUICK_CONCURRENCY if r.quick else DEFAULT_CONCURRENCY
     if agent is not None:
         levels = plan.AGENT_CONCURRENCY
-    elif a.engine_kv:
+    elif a.engine.engine_kv:
         levels = plan.ENGINE_MEMORY_CONCURRENCY
-    return modes, parse_list(a.concurrency) if a.concurrency else list(levels)
+    return modes, parse_list(r.concurrency) if r.concurrency else list(levels)
 
 
-def _regimes(text: str) -> tuple[float | None, list[float | None]]:
+def _regimes(text: str) -> tuple[float | None, ...]:
     """--regime: the run's regime, then the sweep's further ones."""
     from kvprefetch.bench.regime import parse_regime
 
     try:
-        first, *sweep = [parse_regime(x) for x in text.split(",") if x.strip()] or [parse_regime("")]
+        return tuple(parse_regime(x) for x in text.split(",") if x.strip()) or (parse_regime(""),)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
-    return first, sweep
 
 
 def _agent(a: BenchArgs) -> AgentBench | None:
     """The agent workload with the chat options' counterparts as its sizes (quick: fewer sessions)."""
-    if a.workload != Workload.agent:
+    w = a.workload
+    if w.workload != Workload.agent:
         return None
     from kvprefetch.workload.agent import AgentBench, parse_gap
 
     try:
-        gap_min, gap_max = parse_gap(a.gap_s)
+        gap_min, gap_max = parse_gap(w.gap_s)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
-    sizes = {"measured_turns": a.turns_asked, "task_tokens": a.history_tokens, "tool_tokens": a.user_tokens,
-             "answer_tokens": a.output_tokens}  # fmt: skip
+    sizes = {"measured_turns": a.turns_asked, "task_tokens": w.history_tokens, "tool_tokens": w.user_tokens,
+             "answer_tokens": w.output_tokens}  # fmt: skip
     agent = AgentBench(gap_min_s=gap_min, gap_max_s=gap_max, **{k: v for k, v in sizes.items() if v is not None})
-    return replace(agent, min_sessions=2, sessions_per_concurrency=1.0) if a.quick else agent
+    return replace(agent, min_sessions=2, sessions_per_concurrency=1.0) if a.run.quick else agent
 
 
 def _chat(a: BenchArgs) -> tuple[ChatBench, bool]:
@@ -523,16 +605,18 @@ def _chat(a: BenchArgs) -> tuple[ChatBench, bool]:
     --workload chat, --no-reuse, a trace or the two-instance scenario (True then); with the sizes asked."""
     from kvprefetch.workload.replay import CONTEXT, IN_RUN, ChatBench
 
-    preset = a.workload == Workload.chat or a.no_reuse or a.trace is not None or a.two_instance
-    chat = (IN_RUN if a.engine_kv and a.workload == Workload.chat else ChatBench()) if preset else CONTEXT
-    two_node_chat = a.two_node and a.workload == Workload.chat
-    if a.quick:
+    w = a.workload
+    is_chat = w.workload == Workload.chat
+    preset = is_chat or w.no_reuse or a.trace.trace is not None or a.two_instance
+    chat = (IN_RUN if a.engine.engine_kv and is_chat else ChatBench()) if preset else CONTEXT
+    two_node_chat = a.two_node and is_chat
+    if a.run.quick:
         chat = replace(chat, min_sessions=2, sessions_per_concurrency=1.0)
-    sizes = dict(system_tokens=a.system_tokens, history_tokens=a.history_tokens, user_tokens=a.user_tokens,
-                 output_tokens=a.output_tokens, measured_turns=a.turns_asked, think_s=a.think_s,
-                 sessions_per_concurrency=a.sessions_per_concurrency)  # fmt: skip
+    sizes = dict(system_tokens=w.system_tokens, history_tokens=w.history_tokens, user_tokens=w.user_tokens,
+                 output_tokens=w.output_tokens, measured_turns=a.turns_asked, think_s=w.think_s,
+                 sessions_per_concurrency=w.sessions_per_concurrency)  # fmt: skip
     kw = {k: v for k, v in sizes.items() if v is not None}
-    if a.no_reuse:
+    if w.no_reuse:
         kw["reuse"] = False
     if a.two_instance or two_node_chat:
         # the prelude holds each conversation's first message only: every later turn's prefix was computed
@@ -543,22 +627,23 @@ def _chat(a: BenchArgs) -> tuple[ChatBench, bool]:
 
 def _trace(a: BenchArgs, chunk_tokens: int) -> TraceBench | None:
     """The trace to replay (its reuse summary printed first), or None."""
-    if a.trace is None:
+    t = a.trace
+    if t.trace is None:
         return None
     from kvprefetch.trace_cli import bench_preamble
     from kvprefetch.workload.replay import TraceBench
 
     try:
-        for line in bench_preamble(a.trace, a.trace_length_scale, chunk_tokens, a.trace_window_start,
-                                   a.trace_max_prompt_tokens):  # fmt: skip
+        for line in bench_preamble(t.trace, t.trace_length_scale, chunk_tokens, t.trace_window_start,
+                                   t.trace_max_prompt_tokens):  # fmt: skip
             console.print(line, markup=False)
     except (ValueError, OSError) as err:
         raise typer.BadParameter(str(err)) from None
-    trace = TraceBench(path=str(a.trace), length_scale=a.trace_length_scale, chunk_tokens=chunk_tokens,
-                       time_scale=a.trace_time_scale, use_timestamps=a.trace_timestamps,
-                       utilisation=a.trace_utilisation or None, window_start=a.trace_window_start,
-                       max_prompt_tokens=a.trace_max_prompt_tokens)  # fmt: skip
-    return replace(trace, min_requests=4, requests_per_concurrency=1.0) if a.quick else trace
+    trace = TraceBench(path=str(t.trace), length_scale=t.trace_length_scale, chunk_tokens=chunk_tokens,
+                       time_scale=t.trace_time_scale, use_timestamps=t.trace_timestamps,
+                       utilisation=t.trace_utilisation or None, window_start=t.trace_window_start,
+                       max_prompt_tokens=t.trace_max_prompt_tokens)  # fmt: skip
+    return replace(trace, min_requests=4, requests_per_concurrency=1.0) if a.run.quick else trace
 
 
 # ---- the run ------------------------------------------------------------------------------------------------------
@@ -572,7 +657,7 @@ def run_and_report(opts: BenchOptions) -> dict:
     levels = ",".join(map(str, opts.concurrency))
     console.print(
         f"[bold]kvprefetch bench[/bold]: modes {', '.join(opts.modes)}; concurrency {levels}; "
-        f"regime {opts.regime or 'native'}; out {opts.out}"
+        f"regime {opts.regime or 'native'}; out {opts.files.out}"
     )
     with _progress_bar() as bar:
         task = bar.add_task("starting", total=1.0)
@@ -593,9 +678,10 @@ def run_and_report(opts: BenchOptions) -> dict:
             console.print(f"engine logs kept in {bench.files.work}")
             raise typer.Exit(1) from None
     results["simulator_prediction"] = simulator_prediction(results)
-    files = write_outputs(results, opts.out)
+    out = opts.files.out or Path(".")
+    files = write_outputs(results, out)
     _print_results(results)
-    console.print(f"wrote {', '.join(str(opts.out / f) for f in files)}")
+    console.print(f"wrote {', '.join(str(out / f) for f in files)}")
     return results
 
 

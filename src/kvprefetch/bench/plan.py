@@ -10,93 +10,30 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvprefetch.bench.modes import MODES, TWO_INSTANCE_MODES, StoreSizing, availability
-from kvprefetch.bench.regime import DEFAULT_REGIME
-from kvprefetch.bench.two_node import TwoNodeOptions
-from kvprefetch.modes import SIMULATED as BENCH_MODES
+from kvprefetch.bench.modes import MODES, StoreSizing, availability
+from kvprefetch.bench.options import BenchOptions, KvAsk
 from kvprefetch.testbed.protocol import EngineSpec, Placement
 from kvprefetch.testbed.server import TINY_MODEL
-from kvprefetch.testbed.topology import Topology, TopologyKind, plan_topology
+from kvprefetch.testbed.topology import Topology, plan_topology
 from kvprefetch.workload.agent import AgentBench, agent_workload
-from kvprefetch.workload.replay import (
-    CONTEXT,
-    CONTEXT_MAX_NUM_SEQS,
-    BenchWorkload,
-    ChatBench,
-    TraceBench,
-    chat_workload,
-    default_engine_kv_tokens,
-    trace_workload,
-)
+from kvprefetch.workload.replay import BenchWorkload, chat_workload, default_engine_kv_tokens, trace_workload
 
 PACKAGED_MODEL = TINY_MODEL  # (the testbed ships it: `kvprefetch serve kvprefetch-tiny` serves it too)
-DEFAULT_MODES = ["recompute", "ondemand-serial", "ondemand-sync", "ondemand", "prefetch", "dram", "vllm-example",
-                 "lmcache"]
-DEFAULT_CONCURRENCY = [1, 8, 16, 32]
 QUICK_CONCURRENCY = [2, 8]
 AGENT_MODES = ["recompute", "ondemand-sync", "prefetch", "lease", "warm", "dram"]
 AGENT_CONCURRENCY = [1, 8]
 ENGINE_MEMORY_MODES = ["recompute", "prefetch", "dram"]  # --engine-kv: vLLM alone, kvprefetch, all-in-DRAM
 ENGINE_MEMORY_CONCURRENCY = [8]  # --engine-kv: one level (an engine per mode and size, each run 3 times)
-DRAM_LIFE_S = 0.4
-"""The agent workload's DRAM pressure (`kvprefetch.testbed.pressure`): an unpinned chunk lasts this long after its
-last use, as under other engines' traffic on the node; below the shortest default tool gap (0.5 s), so an
-unleased head is on disk by its next turn."""
 AGENT_DRAM_HEADS = 5
 """The agent workload's DRAM tier: this many heads of the largest level's sessions at once (so the lease budget,
 a quarter of it by default, holds every active session's head)."""
 SPEC_KEYS = ("load_format", "dtype", "max_num_seqs")  # engine args the spec sets itself
 CALIBRATE_EST_S = 15.0  # one engine's calibration (probes.calibrate), for the progress bar's ETA
 EST_PREFILL_TPS = 3000.0  # the progress bar's prior for the prefill speed, before it is measured
-
-
-@dataclass
-class BenchOptions:
-    """The run as asked (the command line's options, or a test's)."""
-
-    modes: list[str] = field(default_factory=lambda: list(DEFAULT_MODES))
-    concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
-    regime: float | None = DEFAULT_REGIME  # the run's regime (None: native); the goals are judged in it
-    sweep: list[float | None] = field(default_factory=list)  # further regimes, each measured as the first
-    model: str | None = None
-    engine_args: dict[str, Any] = field(default_factory=dict)
-    out: Path | None = None
-    chat: ChatBench = CONTEXT  # the default workload (a ChatBench preset); chat: ChatBench()
-    trace: TraceBench | None = None
-    agent: AgentBench | None = None  # the agent workload (`kvprefetch.workload.agent`)
-    dram_life_s: float = DRAM_LIFE_S  # the agent workload's DRAM pressure
-    cache_dir: Path | None = None
-    chunk_tokens: int = 256
-    kv_cache_bytes: int | None = None  # engine KV cache; default: room for 4 of the longest requests
-    dram_bytes: int | None = None  # DRAM tier of the non-`dram` modes; default: see `store_sizing`
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int | None = CONTEXT_MAX_NUM_SEQS  # None: the largest concurrency (nothing queues)
-    io_threads: int = 4
-    cell_timeout_s: float = 1800
-    keep_cache: bool = False
-    step_log: bool = False  # write every engine step of every cell to <out>/steps/<mode>-c<c>.jsonl
-    quick: bool = False
-    calibrate_modes: bool = True  # measure each simulated mode's engine too, after its cells (~15 s each)
-    remote_backend: str = "redis"  # the prefetch-remote mode's server: redis or mooncake
-    repeats: int = 3  # rounds of every cell, modes interleaved within a round (kvprefetch.bench.rounds)
-    topology: TopologyKind = "gpu-node"  # where the engines' threads run (kvprefetch.testbed.topology)
-    two_node: TwoNodeOptions | None = None  # the two-node scenario (`kvprefetch.bench.two_node_run`)
-    engine_kv: list[KvAsk] = field(default_factory=list)  # the engine-memory sweep's sizes (`--engine-kv`)
-
-
-@dataclass(frozen=True)
-class KvAsk:
-    """One engine KV size of the engine-memory sweep as asked: a share of the run's full size, or bytes."""
-
-    value: float
-    absolute: bool = False  # value is bytes, not a share
-
-    def resolve(self, full_bytes: int) -> int:
-        return int(self.value) if self.absolute else int(self.value * full_bytes)
 
 
 ENGINE_RESERVED_TOKENS = 128
@@ -190,14 +127,15 @@ def cuda_available() -> bool:
 
 # ---- the plan -----------------------------------------------------------------------------------------------
 def build_workload(opts: BenchOptions, vocab: int, bytes_per_token: int = 0) -> BenchWorkload:
-    if opts.agent is not None:
-        return agent_workload(opts.agent, opts.concurrency, vocab)
-    if opts.trace is not None:
-        trace = opts.trace
-        if opts.kv_cache_bytes and bytes_per_token:  # an engine KV cache asked for: the levels outgrow it
-            trace = replace(trace, engine_kv_tokens=opts.kv_cache_bytes // bytes_per_token)
+    w, kv_bytes = opts.workload, opts.engine.kv_cache_bytes
+    if w.agent is not None:
+        return agent_workload(w.agent, opts.concurrency, vocab)
+    if w.trace is not None:
+        trace = w.trace
+        if kv_bytes and bytes_per_token:  # an engine KV cache asked for: the levels outgrow it
+            trace = replace(trace, engine_kv_tokens=kv_bytes // bytes_per_token)
         return trace_workload(trace, opts.concurrency, vocab)
-    return chat_workload(opts.chat, opts.concurrency, vocab)
+    return chat_workload(w.chat, opts.concurrency, vocab)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -208,17 +146,17 @@ def store_sizing(opts: BenchOptions, w: BenchWorkload, model: ModelInfo, topolog
     """The tiers of every connector mode but `dram`: room for the in-flight requests' KV 3 times over (what
     prefetching the queue needs; 5 heads a session for the agent workload) and at least a quarter of the prelude:
     enough for prefetch to work, not enough to hold every history."""
-    chunk = opts.chunk_tokens
+    chunk = opts.store.chunk_tokens
     prelude_chunks_est = math.ceil(w.prelude_tokens() / chunk)
     chunk_bytes_est = chunk * model.bytes_per_token
-    heads = AGENT_DRAM_HEADS if opts.agent is not None else 3
+    heads = AGENT_DRAM_HEADS if opts.workload.agent is not None else 3
     in_flight = math.ceil(heads * max(opts.concurrency) * math.ceil(w.max_prompt_tokens() / chunk))
     dram_default = max(in_flight, 4, math.ceil(prelude_chunks_est / 4)) * (chunk_bytes_est + 8192)
     return StoreSizing(
         chunk_tokens=chunk,
-        dram_bytes=int(opts.dram_bytes or dram_default),
+        dram_bytes=int(opts.store.dram_bytes or dram_default),
         disk_bytes=int(max(4 * (prelude_chunks_est + 64) * chunk_bytes_est, 1 << 30)),
-        io_threads=opts.io_threads,
+        io_threads=opts.store.io_threads,
         io_cpus=topology.io_cpus(),
     )
 
@@ -247,7 +185,7 @@ class BenchPlan:
 
     @property
     def agent(self) -> AgentBench | None:
-        return self.opts.agent
+        return self.opts.workload.agent
 
     def engine_args(self) -> dict[str, Any]:
         """Engine arguments the workload sets, then the user's. The agent workload runs vLLM without its prefix
@@ -255,7 +193,7 @@ class BenchPlan:
         returns, so a turn's head comes from the tiers (or is recomputed), in every mode; a 2-core machine cannot
         compute that other traffic without starving the turns it measures, so the bench declares its effect."""
         ours = {"enable_prefix_caching": False} if self.agent is not None else {}
-        return ours | {k: v for k, v in self.opts.engine_args.items() if k not in SPEC_KEYS}
+        return ours | {k: v for k, v in self.opts.engine.engine_args.items() if k not in SPEC_KEYS}
 
     @property
     def sizes(self) -> tuple[EngineSize, ...]:
@@ -275,7 +213,7 @@ class BenchPlan:
             max_model_len=self.max_model_len,
             kv_cache_bytes=kv_cache_bytes or self.kv_cache_bytes,
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.opts.max_num_batched_tokens,
+            max_num_batched_tokens=self.opts.engine.max_num_batched_tokens,
             engine_args=self.engine_args(),
             kv_transfer_config=kv_transfer,
             cgroup=cgroup,
@@ -296,19 +234,9 @@ class BenchPlan:
     def mode_estimate(self, mode: str, tps: float, rounds: int) -> float:
         return rounds * sum(self.cell_estimate(mode, c, tps) for c in self.opts.concurrency)
 
-    def seconds_estimate(self) -> float:
-        """The whole run's seconds for the progress bar: populate, then each mode's start, cells, calibration."""
-        o = self.opts
-        total = 25 + 15 + self.workload.prelude_tokens() / EST_PREFILL_TPS + 20
-        engines = len(self.sizes)
-        for m in self.running:
-            calibrate = CALIBRATE_EST_S if m in BENCH_MODES and self.calibrates else 0.0
-            two = m in TWO_INSTANCE_MODES or o.two_node is not None
-            rounds = o.repeats if o.two_node is not None else 1 if two else o.repeats * (1 + len(o.sweep))
-            if not two:
-                rounds *= engines
-            total += 25 * (2 if two else engines) + calibrate + self.mode_estimate(m, EST_PREFILL_TPS, rounds)
-        return total
+    def populate_seconds(self) -> float:
+        """Phase 1's seconds for the progress bar (each scenario adds its own: `Stage.seconds`)."""
+        return 25 + 15 + self.workload.prelude_tokens() / EST_PREFILL_TPS + 20
 
 
 def engine_size(nbytes: int, full_bytes: int, bytes_per_token: int, max_model_len: int) -> EngineSize:
@@ -333,34 +261,37 @@ def default_kv_tokens(opts: BenchOptions, w: BenchWorkload, max_model_len: int) 
     workload's, for every active session's turn. Chat whose reuse is inside the run: every client's conversation
     at the largest level, and at least 8, each with the block vLLM reserves (so 1/8 of it still starts vLLM): the
     size at which vLLM alone keeps all its reuse, the engine-memory sweep's full size."""
-    if opts.agent is None and opts.trace is None and opts.chat.in_run:  # the chat workload, as `build_workload`
+    asked = opts.workload
+    if asked.agent is None and asked.trace is None and asked.chat.in_run:  # the chat workload, as `build_workload`
         return max(8, max(opts.concurrency)) * (max_model_len + ENGINE_RESERVED_TOKENS)
-    heads = max(4, max(opts.concurrency)) if opts.agent is not None else 4
+    heads = max(4, max(opts.concurrency)) if asked.agent is not None else 4
     return default_engine_kv_tokens(w.max_len(), heads)
 
 
 def plan_bench(opts: BenchOptions) -> BenchPlan:
-    model = resolve_model(opts.model, opts.engine_args)
+    e = opts.engine
+    model = resolve_model(e.model, e.engine_args)
     cuda = model.device == "cuda"
-    tp = int(opts.engine_args.get("tensor_parallel_size") or 1)
-    topology = plan_topology(opts.topology if not cuda else "shared", tp)
+    tp = int(e.engine_args.get("tensor_parallel_size") or 1)
+    topology = plan_topology(e.topology if not cuda else "shared", tp)
     w = build_workload(opts, model.vocab_size, model.bytes_per_token)
     max_model_len = min(_round_up(w.max_len() + 64, 256), int(model.config.get("max_position_embeddings", 1 << 30)))
-    kv_cache_bytes = int(opts.kv_cache_bytes or default_kv_tokens(opts, w, max_model_len) * model.bytes_per_token)
+    kv_cache_bytes = int(e.kv_cache_bytes or default_kv_tokens(opts, w, max_model_len) * model.bytes_per_token)
     modes = [m for m in opts.modes if m in MODES]
     return BenchPlan(
         opts=opts,
         model=model,
         topology=topology,
         workload=w,
-        max_num_seqs=int(opts.engine_args.get("max_num_seqs") or opts.max_num_seqs or max(opts.concurrency)),
+        max_num_seqs=int(e.engine_args.get("max_num_seqs") or e.max_num_seqs or max(opts.concurrency)),
         max_model_len=max_model_len,
         kv_cache_bytes=kv_cache_bytes,
         sizing=store_sizing(opts, w, model, topology),
         modes=modes,
-        avail={m: availability(m, cuda, opts.remote_backend) for m in modes},
+        avail={m: availability(m, cuda, opts.store.remote_backend) for m in modes},
         # the simulator does not model the agent workload (leases, warm-ups, no engine prefix cache), nor a
         # sweep of engine sizes (`kvprefetch sim --scenario engine-memory` projects that on its own)
-        calibrates=opts.calibrate_modes and opts.agent is None and opts.two_node is None and not opts.engine_kv,
+        calibrates=opts.calibrate_modes and opts.workload.agent is None and opts.scenario.kind != "two-node"
+        and not opts.engine_kv,
         engine_sizes=engine_sizes(opts.engine_kv, kv_cache_bytes, model.bytes_per_token, max_model_len),
     )

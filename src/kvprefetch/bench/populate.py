@@ -78,7 +78,7 @@ def populate(plan: BenchPlan, files: RunFiles, throttle, why: str, start: Callab
     eng = start("populate", spec)
     try:
         say("measuring prefill speed", 0)
-        ask = P.Calibrate(prompt_tokens=max(o.chunk_tokens, round(w.mean_prompt_tokens())), repeats=5,
+        ask = P.Calibrate(prompt_tokens=max(o.store.chunk_tokens, round(w.mean_prompt_tokens())), repeats=5,
                           decode_tokens=32, vocab=plan.model.vocab_size)  # fmt: skip
         cal = eng.call(ask)
         tps = P.Calibration.model_validate(cal).prefill_tokens_per_s
@@ -89,7 +89,7 @@ def populate(plan: BenchPlan, files: RunFiles, throttle, why: str, start: Callab
         counters: P.CountersReply = eng.call(P.Counters())
         placement = eng.call(P.Placements())
         geometry: P.GeometryReply = eng.call(P.Geometry())
-        chunk_bytes = int(geometry.chunk_bytes or o.chunk_tokens * plan.model.bytes_per_token)
+        chunk_bytes = int(geometry.chunk_bytes or o.store.chunk_tokens * plan.model.bytes_per_token)
         regime, sizing = measure_regime(plan, eng, throttle, why, cal, tps, chunk_bytes)
         sweep, sweep_info, skipped = probe_sweep(plan, eng, throttle, tps, chunk_bytes, regime, sizing)
         say("populated", 20)
@@ -125,7 +125,7 @@ def remove_pool(name: str) -> None:
 
 def _scale_trace_times(plan: BenchPlan, files: RunFiles, tps: float, log: Callable[[str], None]) -> None:
     """A trace replayed at its timestamps: its times scaled to the utilisation asked, at the speed measured."""
-    trace, w = plan.opts.trace, plan.workload
+    trace, w = plan.opts.workload.trace, plan.workload
     if trace is None or not trace.use_timestamps or not trace.utilisation:
         return
     factor = apply_utilisation(w, tps, trace.utilisation)
@@ -168,7 +168,7 @@ def measure_regime(plan: BenchPlan, eng: EngineProcess, throttle, why: str, cal:
                    chunk_bytes: int) -> tuple[dict[str, Any], StoreSizing]:  # fmt: skip
     """The native disk rate, then the asked regime's throttle set and measured (the regime obtained); the
     regime as results.json records it, and the sizing the mode engines start with."""
-    o, chunk = plan.opts, plan.opts.chunk_tokens
+    o, chunk = plan.opts, plan.opts.store.chunk_tokens
     native = eng.call(P.DiskBandwidth(max_chunks=128, seconds=8.0))
     figures = P.Calibration.model_validate(cal)
     regime = _asked(plan) | {
@@ -212,7 +212,7 @@ def probe_sweep(plan: BenchPlan, eng: EngineProcess, throttle, tps: float, chunk
     notes on those left out."""
     out: Sweep = []
     info, notes = [], []
-    chunk = plan.opts.chunk_tokens
+    chunk = plan.opts.store.chunk_tokens
     for r in plan.opts.sweep:
         label = r if r is not None else "native"
         if r is not None and throttle is None:
@@ -235,7 +235,7 @@ def seed_remote(plan: BenchPlan, files: RunFiles, mode: str, eng: EngineProcess,
     """The prelude's chunks copied into the remote tier (its disk tier starts empty); the note saying so."""
     from kvprefetch.tiers.disk import link_tree
 
-    backend = plan.opts.remote_backend
+    backend = plan.opts.store.remote_backend
     src = files.work / f"seed-{mode}"
     link_tree(files.populated, src)
     try:

@@ -48,25 +48,3 @@ def link_rate(prefill_tps: float, kv_bytes_per_token: float) -> LinkRate:
     node_bps = min(PORT_BPS, wp.read_bps)
     r = wp.prefill_s / (wp.context_tokens * wp.kv_bytes_per_token / node_bps)
     return LinkRate(r * kv_bytes_per_token * prefill_tps, r, PORT_BPS, wp.read_bps, prefill_tps, kv_bytes_per_token)
-
-
-FAULTS = ("link", "pool")
-"""The faults `--faults` may ask: every node's link to the pool down, the pool's server SIGKILLed."""
-
-
-@dataclass(frozen=True)
-class TwoNodeOptions:
-    """The scenario as asked: the faults to inject (after the rounds), a local disk tier on each node."""
-
-    faults: tuple[str, ...] = FAULTS
-    node_disk: bool = False
-    link_down_s: float = 10.0
-    pool_down_s: float = 5.0
-    # after each fault's end, before the next (and the end): long enough for a pass of the level that recomputes
-    # everything (after the pool's restart) and the next pass, which can find what it wrote
-    settle_s: float = 15.0
-
-    def __post_init__(self) -> None:
-        bad = [f for f in self.faults if f not in FAULTS]
-        if bad:
-            raise ValueError(f"unknown fault(s) {', '.join(bad)}: choose from {', '.join(FAULTS)}")

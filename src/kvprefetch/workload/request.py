@@ -3,29 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
-from kvprefetch.workload.tokens import synthesize_tokens
+from kvprefetch.workload.tokens import BLOCK_TOKENS, TokenRecipe, synthesize_tokens
+
+__all__ = ["BLOCK_TOKENS", "Request", "TokenRecipe"]
 
 if TYPE_CHECKING:
     import numpy as np
-
-BLOCK_TOKENS = 512
-"""Mooncake's prefix-block size: one hash id covers this many tokens (and everything before them)."""
-
-
-@dataclass(frozen=True)
-class TokenRecipe:
-    """How to rebuild a request's token ids on demand, so records stay small.
-
-    `trace`: each block's tokens derive from its hash id. `session`: tokens derive from the session's
-    position-indexed stream (shared system prompt first), so every turn extends the previous one exactly.
-    """
-
-    kind: Literal["trace", "session"]
-    seed: int
-    block_tokens: int = BLOCK_TOKENS
-    system_tokens: int = 0
 
 
 @dataclass(frozen=True)

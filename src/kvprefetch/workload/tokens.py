@@ -2,13 +2,45 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import Literal, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:  # the record's type only: requests call into this module (`Request.token_ids`), not back
-    from kvprefetch.workload.request import Request
+BLOCK_TOKENS = 512
+"""Mooncake's prefix-block size: one hash id covers this many tokens (and everything before them)."""
+
+
+@dataclass(frozen=True)
+class TokenRecipe:
+    """How to rebuild a request's token ids on demand, so records stay small.
+
+    `trace`: each block's tokens derive from its hash id. `session`: tokens derive from the session's
+    position-indexed stream (shared system prompt first), so every turn extends the previous one exactly.
+    """
+
+    kind: Literal["trace", "session"]
+    seed: int
+    block_tokens: int = BLOCK_TOKENS
+    system_tokens: int = 0
+
+
+class Prompted(Protocol):
+    """What this module reads of a request (`kvprefetch.workload.request.Request`, which calls in here): named
+    here so that the two modules do not import each other."""
+
+    @property
+    def recipe(self) -> TokenRecipe: ...
+    @property
+    def session_id(self) -> int: ...
+    @property
+    def input_len(self) -> int: ...
+    @property
+    def output_len(self) -> int: ...
+    @property
+    def hash_ids(self) -> tuple[int, ...]: ...
+
 
 _TRACE_STREAM = 1
 _SYSTEM_STREAM = 2
@@ -26,7 +58,7 @@ def _block(words: tuple[int, ...], length: int, vocab_size: int) -> np.ndarray:
     return out
 
 
-def _trace_tokens(request: Request, vocab_size: int) -> np.ndarray:
+def _trace_tokens(request: Prompted, vocab_size: int) -> np.ndarray:
     recipe = request.recipe
     size = recipe.block_tokens
     blocks = [_block((recipe.seed, _TRACE_STREAM, h), size, vocab_size) for h in request.hash_ids]
@@ -44,7 +76,7 @@ def _stream(words: tuple[int, ...], start: int, stop: int, size: int, vocab_size
     return joined[start - offset : stop - offset]
 
 
-def _session_tokens(request: Request, vocab_size: int) -> np.ndarray:
+def _session_tokens(request: Prompted, vocab_size: int) -> np.ndarray:
     recipe = request.recipe
     size, system = recipe.block_tokens, recipe.system_tokens
     n = request.input_len
@@ -53,7 +85,7 @@ def _session_tokens(request: Request, vocab_size: int) -> np.ndarray:
     return np.concatenate([head, tail])
 
 
-def synthesize_tokens(request: Request, vocab_size: int = 32000) -> np.ndarray:
+def synthesize_tokens(request: Prompted, vocab_size: int = 32000) -> np.ndarray:
     """Token ids for `request` (a fresh int64 array of length `input_len`).
 
     Trace requests: block i is a pure function of (seed, hash_ids[i]), so equal hash ids give identical
@@ -69,7 +101,7 @@ def synthesize_tokens(request: Request, vocab_size: int = 32000) -> np.ndarray:
     return np.array(tokens, dtype=np.int64)
 
 
-def session_answer_tokens(request: Request, vocab_size: int = 32000) -> np.ndarray:
+def session_answer_tokens(request: Prompted, vocab_size: int = 32000) -> np.ndarray:
     """The answer a session turn is assumed to produce: the stream right after its prompt.
 
     A driver that replays the next turn with these tokens reproduces the prefix property exactly.

@@ -1,7 +1,7 @@
 """`kvprefetch bench --scenario two-node` (issue 41): two nodes, one pool, over shaped links.
 
 The run after phase 1 (`kvprefetch.bench.populate`, which measured this engine's prefill speed and wrote the
-prelude to a disk tier), in the Bench's place of its single-engine modes:
+prelude to a disk tier), in place of the single scenario:
 
 1. **cluster** (`kvprefetch.testbed.cluster`): a pool namespace with the pool's server, node-a and node-b each
    joined to it by a link shaped to `two_node.link_rate` (derived from the prefill speed), the link's rate
@@ -17,7 +17,8 @@ prelude to a disk tier), in the Bench's place of its single-engine modes:
    and the pool's server is SIGKILLed and restarted empty; every request is recorded with the fault windows
    (`two_node_report.fault_timeline`).
 
-Its value is results.json's `two_node` section; the rows are the Bench's (`Bench._run_cells`).
+Its section of results.json is `two_node`; its rows are the lab's (`Lab.run_cells`), with the figures of two
+nodes (`_figures`).
 """
 
 from __future__ import annotations
@@ -30,19 +31,20 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvprefetch.bench.lab import START_FAILURES, Lab
 from kvprefetch.bench.modes import StoreSizing, node_transfer_config, route
+from kvprefetch.bench.options import TwoNodeOptions
+from kvprefetch.bench.plan import EST_PREFILL_TPS, BenchPlan
 from kvprefetch.bench.populate import Populated, remove_pool, seed_remote
-from kvprefetch.bench.two_instance import drive_alternating, session_plan
-from kvprefetch.bench.two_node import TwoNodeOptions, link_rate
+from kvprefetch.bench.scenarios.base import Scenario, Sections, Stage
+from kvprefetch.bench.two_node import link_rate
 from kvprefetch.modes import MODE
 from kvprefetch.testbed import protocol as P
-from kvprefetch.testbed.client import EngineError, EngineProcess
+from kvprefetch.testbed.alternating import drive_alternating, session_plan
+from kvprefetch.testbed.client import EngineProcess
 from kvprefetch.testbed.cluster import NODES, TwoNodeCluster, node_placement
-
-if TYPE_CHECKING:
-    from kvprefetch.bench.runner import Bench
 
 POOL_RETRY_S = 1.0
 """The pool's `retry_after_s` here: after a failed call a node answers misses without asking for this long. A
@@ -73,12 +75,33 @@ class FaultEvent:
     up_s: float | None = None
 
 
-class TwoNodeRun:
-    """The scenario's phases on a Bench whose phase 1 ran; `run()` returns results.json's `two_node`."""
+class TwoNode(Scenario):
+    kind = "two-node"
 
-    def __init__(self, bench: Bench, pop: Populated, opts: TwoNodeOptions):
-        self.b, self.pop, self.opts = bench, pop, opts
-        self.plan = bench.plan
+    def plan(self, plan: BenchPlan) -> Stage | None:
+        """Every running mode, on two engines each, every round."""
+        if plan.opts.scenario.kind != self.kind:
+            return None
+        seconds = sum(25 * 2 + plan.mode_estimate(m, EST_PREFILL_TPS, plan.opts.repeats) for m in plan.running)
+        return Stage(self.kind, tuple(plan.running), seconds)
+
+    def run(self, lab: Lab, population: Populated, stage: Stage) -> Sections:
+        opts = lab.plan.opts.scenario
+        assert isinstance(opts, TwoNodeOptions)
+        return {"two_node": TwoNodeRun(lab, population, opts).run(stage.modes)}
+
+    def report(self, results: dict) -> list[str]:
+        from kvprefetch.bench.two_node_report import markdown_lines
+
+        return markdown_lines(results)
+
+
+class TwoNodeRun:
+    """The scenario's phases on a lab whose phase 1 ran; `run()` returns results.json's `two_node`."""
+
+    def __init__(self, lab: Lab, pop: Populated, opts: TwoNodeOptions):
+        self.lab, self.pop, self.opts = lab, pop, opts
+        self.plan = lab.plan
         self.rate = link_rate(pop.tps, self.plan.model.bytes_per_token)
         self.reference: dict[tuple[int, int], dict[tuple[str, int], list[int]]] = {}  # recompute's tokens
         self.wrong: dict[str, int] = {}  # per mode: requests whose tokens differ from recompute's
@@ -87,9 +110,9 @@ class TwoNodeRun:
         self.seeds: list[dict] = []  # each reseed of a pool mode's database, and how long it took
 
     # -- main -----------------------------------------------------------------------------------------------------
-    def run(self) -> dict:
-        plan, files = self.plan, self.b.files
-        self.b.notes.append("two-node: " + self.rate.sentence())
+    def run(self, running: tuple[str, ...]) -> dict:
+        plan, files = self.plan, self.lab.files
+        self.lab.notes.append("two-node: " + self.rate.sentence())
         section: dict[str, Any] = {
             "link": asdict(self.rate) | {"sentence": self.rate.sentence()}, "backend": "redis",
             "node_disk": self.opts.node_disk, "faults_asked": list(self.opts.faults),
@@ -99,10 +122,9 @@ class TwoNodeRun:
         with TwoNodeCluster(files.work / "pool", self.rate.bits_per_s) as cluster:
             self.cluster = cluster
             if cluster.swept:
-                self.b.notes.append(f"two-node: removed what a run killed outright left: {', '.join(cluster.swept)}")
+                self.lab.notes.append(f"two-node: removed what a run killed outright left: {', '.join(cluster.swept)}")
             section["link"] |= self._probe_link()
             try:
-                running = plan.running
                 for first in range(0, len(running), LAUNCH_MODES):
                     batch = running[first : first + LAUNCH_MODES]
                     for m in batch:
@@ -141,11 +163,11 @@ class TwoNodeRun:
         argv = c.fabric.exec_argv(c.node_ns(0), ["taskset", "-c", cpus, sys.executable, "-c", code])
         out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
         if out.returncode:
-            self.b.notes.append(f"two-node: the link probe failed: {out.stderr.strip()[-500:]}")
+            self.lab.notes.append(f"two-node: the link probe failed: {out.stderr.strip()[-500:]}")
             return {}
         bps, cpu_per_mib = (float(x) for x in out.stdout.split()[-2:])
         link_per_mib = (1 << 20) / self.rate.bytes_per_s
-        self.b.notes.append(
+        self.lab.notes.append(
             f"two-node: node-a read the pool at {bps / 1e6:,.0f} MB/s over its link (shaped to "
             f"{self.rate.bytes_per_s / 1e6:,.0f} MB/s), spending {cpu_per_mib * 1e3:.2f} ms of its core per MiB "
             f"received ({100 * cpu_per_mib / link_per_mib:.0f}% of the link's {link_per_mib * 1e3:.2f} ms per MiB)")
@@ -158,7 +180,7 @@ class TwoNodeRun:
         and what its DRAM loses it recomputes), or half of them (the pool modes: a node serves half the turns, and
         what it evicts is in the pool), with a quarter to spare."""
         w, c = self.plan.workload, max(self.plan.opts.concurrency)
-        chunks = -(-w.max_prompt_tokens() // self.plan.opts.chunk_tokens) + 1
+        chunks = -(-w.max_prompt_tokens() // self.plan.opts.store.chunk_tokens) + 1
         share = 1.0 if mode == "local-only" else 0.5
         dram = int(1.25 * share * len(w.levels[c]) * chunks * (self.pop.chunk_bytes + 8192)) + (32 << 20)
         return replace(self.pop.sizing, dram_bytes=dram, io_cpus=node_placement(node, 2).host_cpus)
@@ -166,7 +188,7 @@ class TwoNodeRun:
     def _launch(self, mode: str, opened: dict[str, _ModeNodes]) -> None:
         c = self.cluster
         assert c is not None
-        files = self.b.files
+        files = self.lab.files
         nodes = opened[mode] = _ModeNodes(mode)
         try:
             for e in range(2):
@@ -180,20 +202,20 @@ class TwoNodeRun:
                 nodes.pools.append(pool)
                 if disk is not None:
                     nodes.disks.append(disk)
-                nodes.engines.append(self.b._launch(f"{mode}@{NODES[e]}", spec))
-        except (EngineError, RuntimeError, OSError, TimeoutError) as err:
+                nodes.engines.append(self.lab.launch(f"{mode}@{NODES[e]}", spec))
+        except START_FAILURES as err:
             self._failed(opened.pop(mode), err)
 
     def _ready(self, nodes: _ModeNodes, opened: dict[str, _ModeNodes]) -> None:
         try:
             for e, eng in enumerate(nodes.engines):
-                self.b._warm_up(f"{nodes.mode}@{NODES[e]}", eng)
-        except (EngineError, RuntimeError, OSError, TimeoutError) as err:
+                self.lab.warm_up(f"{nodes.mode}@{NODES[e]}", eng)
+        except START_FAILURES as err:
             self._failed(opened.pop(nodes.mode), err)
 
     def _failed(self, nodes: _ModeNodes, err: BaseException) -> None:
         self._close(nodes)
-        self.b._start_failed(nodes.mode, err)
+        self.lab.start_failed(nodes.mode, err)
 
     def _close(self, nodes: _ModeNodes) -> None:
         for eng in nodes.engines:
@@ -212,7 +234,7 @@ class TwoNodeRun:
         subprocess.run(c.fabric.exec_argv(c.pool_ns, argv), check=True, capture_output=True, timeout=60)
         nodes.engines[0].call(P.CoolDram())  # a chunk still in its DRAM would not be written
         t = time.perf_counter()
-        seed_remote(self.plan, self.b.files, nodes.mode, nodes.engines[0], self.b.progress.update)
+        seed_remote(self.plan, self.lab.files, nodes.mode, nodes.engines[0], self.lab.progress.update)
         self.seeds.append({"mode": nodes.mode, "seconds": time.perf_counter() - t})
 
     # -- rounds ---------------------------------------------------------------------------------------------------
@@ -222,12 +244,12 @@ class TwoNodeRun:
             if MODE[m].pool:
                 self._reseed(nodes)
             where = f" on 2 nodes (round {k + 1} of {o.repeats})" if o.repeats > 1 else " on 2 nodes"
-            self.b._run_cells(m, where, lambda c, nodes=nodes, k=k: self._cell(nodes, c, k), k)
+            self.lab.run_cells(m, where, lambda c, nodes=nodes, k=k: self._cell(nodes, c, k), k)
 
     def _cold(self, nodes: _ModeNodes, c: int) -> None:
         """Both nodes' engine prefix caches emptied and their DRAM tiers too (the pool keeps what they wrote)."""
         for eng in nodes.engines:
-            self.b._reset(eng, nodes.mode, c)
+            self.lab.reset(eng, nodes.mode, c)
             if MODE[nodes.mode].connector:
                 eng.call(P.CoolDram())
 
@@ -236,13 +258,13 @@ class TwoNodeRun:
         self._cold(nodes, c)
         if mode == "local-only":
             self._local_prelude(nodes, c, k)
-        self.b._settle(mode)
+        self.lab.settle(mode)
         assert self.cluster is not None
         cpu = self.cluster.pool_cpu_s()
         try:
             res = self._drive(nodes, c, f"{mode}-c{c}-r{k}")
         finally:
-            self.b.last_active = (mode, time.monotonic())
+            self.lab.ran(mode)
         after = self.cluster.pool_cpu_s()
         pool_cpu = {"pool_cpu_s": after - cpu} if cpu is not None and after is not None else {}
         return res, self._figures(mode, res["records"], c, k) | pool_cpu
@@ -250,7 +272,7 @@ class TwoNodeRun:
     def _drive(self, nodes: _ModeNodes, c: int, tag: str) -> dict:
         o = self.plan.opts
         sessions = session_plan(self.plan.workload.levels[c])
-        return drive_alternating(nodes.engines, sessions, c, o.cell_timeout_s, tag, file=str(self.b.files.workload),
+        return drive_alternating(nodes.engines, sessions, c, o.cell_timeout_s, tag, file=str(self.lab.files.workload),
                                  level=c, route=lambda i, t: route(nodes.mode, i, t))  # fmt: skip
 
     def _local_prelude(self, nodes: _ModeNodes, c: int, k: int) -> None:
@@ -260,10 +282,10 @@ class TwoNodeRun:
         for i, s in enumerate(self.plan.workload.levels[c]):
             by_node.setdefault(route(nodes.mode, i, -1), []).append("p" + s.sid.rsplit("-s", 1)[1])
         for e, sids in by_node.items():
-            nodes.engines[e].call(P.Run(file=str(self.b.files.workload), level="prelude", concurrency=c, only=sids,
+            nodes.engines[e].call(P.Run(file=str(self.lab.files.workload), level="prelude", concurrency=c, only=sids,
                                         tag=f"prelude-c{c}-r{k}", timeout_s=self.plan.opts.cell_timeout_s,
                                         flush=True))  # fmt: skip
-            self.b._reset(nodes.engines[e], nodes.mode, c)
+            self.lab.reset(nodes.engines[e], nodes.mode, c)
 
     def _figures(self, mode: str, recs: list[dict], c: int, k: int) -> dict:
         """The row's two-node figures: requests per node, the turns served on another node than the conversation's
@@ -290,7 +312,7 @@ class TwoNodeRun:
         it), while the faults asked happen one after another; every request with its pass and time."""
         c = max(self.plan.opts.concurrency)
         self._reseed(nodes)
-        self.b.progress.update(f"two-node faults: {', '.join(self.opts.faults)} during pool-prefetch @ {c}")
+        self.lab.progress.update(f"two-node faults: {', '.join(self.opts.faults)} during pool-prefetch @ {c}")
         start = time.monotonic()
         events: list[FaultEvent] = []
         injector = threading.Thread(target=self._inject, args=(start, events), name="two-node-faults", daemon=True)

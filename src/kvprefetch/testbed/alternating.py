@@ -1,6 +1,5 @@
-"""The two-instance scenario's client (`kvprefetch bench --scenario two-instance`): two engines at once, each
-session's turns alternating between them, with one shared node-local cache (shared-2x) or a cache each
-(private-2x)."""
+"""A client of several engines at once (the bench's two-instance and two-node scenarios): each session's turns
+routed between the engines, turn k only after turn k-1 finished on whichever engine served it."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import contextlib
 import time
 from collections.abc import Callable
 
-from kvprefetch.bench.modes import route_turn
 from kvprefetch.testbed import protocol as P
 from kvprefetch.testbed.client import EngineError
 from kvprefetch.testbed.sessions import SessionSchedule
@@ -24,9 +22,9 @@ def session_plan(sessions: list) -> list[dict]:
 def drive_alternating(engines: list, sessions: list[dict], concurrency: int, timeout_s: float, tag: str, *,
                       file: str, level: int, clock: Callable[[], float] = time.monotonic,
                       idle_s: float = 0.001, route: Callable[[int, int], int] | None = None) -> dict:  # fmt: skip
-    """The two-instance scenario's client: sessions start as the single-engine driver starts them (arrival
-    order, at most `concurrency` at once), and turn k of every session goes to engine `route_turn(k)` (or
-    `route(session, k)`), only after turn k-1 finished (on the other engine) plus its think time. Engines run the
+    """Sessions start as the single-engine driver starts them (arrival order, at most `concurrency` at once), and
+    turn k of every session goes to engine k mod n (they alternate) or `route(session, k)`, only after turn k-1
+    finished (on whichever engine served it) plus its think time. Engines run the
     `serve` protocol of `engine_proc`; times are seconds since t0 on the machine's monotonic clock, shared by all
     processes. Returns what one engine's `run` returns (records, wall_s, errors, before/after counters summed),
     and t0."""
@@ -51,7 +49,7 @@ def drive_alternating(engines: list, sessions: list[dict], concurrency: int, tim
             now = clock() - t0
             schedule.start_sessions(now)
             for arrival, i, k in schedule.pop_due(now):
-                e = route(i, k) if route is not None else route_turn(k, len(engines))
+                e = route(i, k) if route is not None else k % len(engines)
                 engines[e].send(P.Add(i=i, k=k, arrival=arrival))
                 inflight += 1
             got = False
