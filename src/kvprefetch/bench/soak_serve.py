@@ -17,7 +17,7 @@ import json
 import random
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -86,20 +86,30 @@ def sample(t: float, life: int, pid: int | None, disk: Path) -> Sample:
     return Sample(t, life, rss / 2**20, fds, threads, len(list(SHM_DIR.iterdir())), disk_bytes / 2**20)
 
 
+@dataclass(frozen=True)
+class SoakSettings:
+    """What the run is asked for (the command's options): how long the load runs, the seed of the fault schedule
+    and the prompts, conversations at once, the fault kinds, how long the disk stays full."""
+
+    seconds: float
+    seed: int = 0
+    sessions: int = 4
+    kinds: tuple[str, ...] = FAULT_KINDS
+    full_s: float = FULL_S
+
+
 class Soak:
     """The run: its servers, its load, its faults, its samples."""
 
-    def __init__(self, seconds: float, out: Path, seed: int = 0, sessions: int = 4,
-                 kinds: tuple[str, ...] = FAULT_KINDS, full_s: float = FULL_S):  # fmt: skip
-        self.seconds, self.out, self.seed, self.sessions = seconds, out, seed, sessions
-        self.kinds, self.full_s = kinds, full_s
+    def __init__(self, settings: SoakSettings, out: Path):
+        self.settings, self.out = settings, out
         self.work = out / "work"
-        self.mount = self.work / "disk-fs" if "disk_full" in kinds else None
+        self.mount = self.work / "disk-fs" if "disk_full" in settings.kinds else None
         self.disk = (self.mount or self.work) / "disk"
         self.pool = f"kvpsoak-{uuid.uuid4().hex[:8]}"
-        self.result = SoakResult(seconds, kinds, disk_capacity_mb=DISK_CAPACITY / 2**20)
-        self.schedule = fault_schedule(seconds, seed, kinds)
-        self.conversations = [Conversation(seed * 1000 + k) for k in range(sessions)]
+        self.result = SoakResult(settings.seconds, settings.kinds, disk_capacity_mb=DISK_CAPACITY / 2**20)
+        self.schedule = fault_schedule(settings.seconds, settings.seed, settings.kinds)
+        self.conversations = [Conversation(settings.seed * 1000 + k) for k in range(settings.sessions)]
         self.t0 = 0.0
 
     def _serve_argv(self, redis: RedisServer | None) -> list[str]:
@@ -171,10 +181,10 @@ class Soak:
         import httpx
 
         self.t0 = time.monotonic()
-        stop = self.t0 + self.seconds
+        stop = self.t0 + self.settings.seconds
         async with httpx.AsyncClient(timeout=120) as client:
-            await asyncio.gather(*(self._session(client, node.url, ref.url, k, stop) for k in range(self.sessions)),
-                                 self._faults(injector, stop), self._sampler(node, stop))  # fmt: skip
+            sessions = [self._session(client, node.url, ref.url, k, stop) for k in range(self.settings.sessions)]
+            await asyncio.gather(*sessions, self._faults(injector, stop), self._sampler(node, stop))
         await asyncio.to_thread(self._read_metrics, node)
 
     # ---- the run ------------------------------------------------------------------------------------------------
@@ -190,10 +200,11 @@ class Soak:
     def _run_servers(self) -> None:
         redis = RedisServer(self.work)
         node = ServedNode(self._serve_argv(redis), self.out, free_port(), OURS_ENV)
-        rng = random.Random(self.seed + 1)
-        injector = Injector(node, redis, self.disk, self.mount, self.out, self.seed,
+        seed = self.settings.seed
+        rng = random.Random(seed + 1)
+        injector = Injector(node, redis, self.disk, self.mount, self.out, seed,
                             prompt_now=lambda: rng.choice(self.conversations).text,
-                            read_metrics=lambda: self._read_metrics(node), full_s=self.full_s)  # fmt: skip
+                            read_metrics=lambda: self._read_metrics(node), full_s=self.settings.full_s)  # fmt: skip
         ref = None
         try:
             node.start()
@@ -249,7 +260,7 @@ def soak_serve(
     full_s: Annotated[float, typer.Option("--full-s", min=1, help="How long the disk stays full.")] = FULL_S,
 ) -> None:
     """`kvprefetch serve` under a multi-turn load with faults injected; every answer checked against vLLM alone."""
-    result = Soak(seconds, out, seed, sessions, _kinds(faults), full_s).run()
+    result = Soak(SoakSettings(seconds, seed, sessions, _kinds(faults), full_s), out).run()
     print(result.summary())
     print(condition_table(by_condition(result)))
     if stalls := stall_table(result):

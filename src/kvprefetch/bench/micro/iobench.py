@@ -16,7 +16,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,23 +30,50 @@ from kvprefetch.tiers.dram import hugetlbfs_mount
 from kvprefetch.tiers.inflight import InflightBytes
 
 
-@dataclass
-class IOBenchResult:
+@dataclass(frozen=True)
+class RunShape:
+    """What was read and written: the chunks' size, all of them together, and the reads in flight asked for."""
+
     chunk_bytes: int
     total_bytes: int
     threads: int
-    fio_read_gbps: float | None
+
+
+@dataclass(frozen=True)
+class FioFigures:
+    """fio's ceiling: the median of its best job's rounds (GB/s), and every job of the sweep that picked it."""
+
+    read_gbps: float
+    runs: list[FioRun]
+
+
+@dataclass(frozen=True)
+class InflightSweep:
+    """Our parallel read's rate (GB/s) per cap on bytes in flight, and the cap the rest of the run read at."""
+
+    rates: dict[int, float]
+    best_bytes: int
+
+
+@dataclass
+class IOBenchResult:
+    """Every figure of a run (GB/s unless named otherwise); `to_json` is the flat record `--json` writes."""
+
+    shape: RunShape
+    fio: FioFigures | None  # None: no fio on this machine, or --no-fio
+    inflight: InflightSweep
     serial_read_gbps: float
     parallel_read_gbps: float
     parallel_read_gbps_unstaged: float | None
-    read_inflight_bytes: int
     parallel_read_gbps_4k_pages: float | None
     get_into_gbps: float
     raw_pool_read_gbps: float
     write_gbps: float
     dram_backing: str
-    fio_runs: list[FioRun] = field(default_factory=list)
-    inflight_sweep: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def fio_read_gbps(self) -> float | None:
+        return self.fio.read_gbps if self.fio else None
 
     @property
     def parallel_over_fio(self) -> float | None:
@@ -57,11 +84,27 @@ class IOBenchResult:
         return self.parallel_read_gbps / self.serial_read_gbps
 
     def to_json(self) -> dict:
-        out = asdict(self)
-        out["fio_runs"] = [asdict(r) for r in self.fio_runs]
-        out["parallel_over_fio"] = self.parallel_over_fio
-        out["parallel_over_serial"] = self.parallel_over_serial
-        return out
+        """Flat, its keys in the order they had before the groups (the documented JSON)."""
+        shape, inflight = self.shape, self.inflight
+        return {
+            "chunk_bytes": shape.chunk_bytes,
+            "total_bytes": shape.total_bytes,
+            "threads": shape.threads,
+            "fio_read_gbps": self.fio_read_gbps,
+            "serial_read_gbps": self.serial_read_gbps,
+            "parallel_read_gbps": self.parallel_read_gbps,
+            "parallel_read_gbps_unstaged": self.parallel_read_gbps_unstaged,
+            "read_inflight_bytes": inflight.best_bytes,
+            "parallel_read_gbps_4k_pages": self.parallel_read_gbps_4k_pages,
+            "get_into_gbps": self.get_into_gbps,
+            "raw_pool_read_gbps": self.raw_pool_read_gbps,
+            "write_gbps": self.write_gbps,
+            "dram_backing": self.dram_backing,
+            "fio_runs": [asdict(r) for r in self.fio.runs] if self.fio else [],
+            "inflight_sweep": dict(inflight.rates),
+            "parallel_over_fio": self.parallel_over_fio,
+            "parallel_over_serial": self.parallel_over_serial,
+        }
 
 
 Progress = Callable[[str, float], None]
@@ -231,12 +274,11 @@ def _parallel_on_4k_pages(plan: _Plan, huge_dir: Path | None, progress: Progress
 
 def _result(plan: _Plan, pool: _PoolRun, parallel_4k: float | None) -> IOBenchResult:
     """The medians of the rounds, and the rest as measured."""
-    rounds = pool.rounds
+    rounds, fio = pool.rounds, pool.fio
     return IOBenchResult(
-        chunk_bytes=plan.chunk_bytes,
-        total_bytes=plan.total_bytes,
-        threads=plan.threads,
-        fio_read_gbps=statistics.median(rounds.fio) if rounds.fio else None,
+        shape=RunShape(plan.chunk_bytes, plan.total_bytes, plan.threads),
+        fio=FioFigures(statistics.median(rounds.fio), fio.runs) if fio else None,
+        inflight=InflightSweep(pool.inflight_sweep, pool.read_inflight_bytes),
         serial_read_gbps=pool.serial_gbps,
         parallel_read_gbps=statistics.median(rounds.parallel),
         parallel_read_gbps_unstaged=statistics.median(rounds.unstaged) if rounds.unstaged else None,
@@ -245,9 +287,6 @@ def _result(plan: _Plan, pool: _PoolRun, parallel_4k: float | None) -> IOBenchRe
         raw_pool_read_gbps=pool.raw_pool_gbps,
         write_gbps=pool.write_gbps,
         dram_backing=pool.backing,
-        fio_runs=pool.fio.runs if pool.fio else [],
-        read_inflight_bytes=pool.read_inflight_bytes,
-        inflight_sweep=pool.inflight_sweep,
     )
 
 

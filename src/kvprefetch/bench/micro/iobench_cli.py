@@ -89,8 +89,9 @@ def json_payload(result: IOBenchResult) -> dict:
 
 
 def _print_iobench(result: IOBenchResult, base: Path) -> None:
-    table = Table(title=f"kvprefetch iobench on {base} ({result.total_bytes / 2**30:.2f} GiB, "
-                  f"chunks of {result.chunk_bytes / 2**20:g} MiB, {result.threads} threads)")  # fmt: skip
+    shape = result.shape
+    table = Table(title=f"kvprefetch iobench on {base} ({shape.total_bytes / 2**30:.2f} GiB, "
+                  f"chunks of {shape.chunk_bytes / 2**20:g} MiB, {shape.threads} threads)")  # fmt: skip
     table.add_column("path")
     table.add_column("GB/s", justify="right")
     table.add_column("vs fio", justify="right")
@@ -110,11 +111,11 @@ def _print_iobench(result: IOBenchResult, base: Path) -> None:
     row("bare preadv into the pool's memory (no checks)", result.raw_pool_read_gbps)
     row("write-back (fsync'd)", result.write_gbps)
     console.print(table)
-    for run in result.fio_runs:
+    for run in result.fio.runs if result.fio else []:
         console.print(f"  fio sweep: iodepth={run.iodepth:<3} iomem={run.iomem:<40} {run.gbps:.2f} GB/s")
-    sweep = ", ".join(f"{cap / 2**20:.0f} MiB: {gbps:.2f}" for cap, gbps in result.inflight_sweep.items())
+    sweep = ", ".join(f"{cap / 2**20:.0f} MiB: {gbps:.2f}" for cap, gbps in result.inflight.rates.items())
     console.print(f"  reads in flight (disk.read_inflight_bytes -> GB/s): {sweep}; best "
-                  f"{result.read_inflight_bytes / 2**20:.0f} MiB")  # fmt: skip
+                  f"{result.inflight.best_bytes / 2**20:.0f} MiB")  # fmt: skip
     ratio = result.parallel_over_fio
     console.print(
         f"parallel/serial = {result.parallel_over_serial:.2f}x"
