@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict
 
-from kvprefetch.bench.plan import BenchPlan
+from kvprefetch.bench.plan import EST_PREFILL_TPS, BenchPlan
 from kvprefetch.bench.populate import RunFiles
 from kvprefetch.bench.regime import Throttle
 from kvprefetch.bench.stats import cell_metrics
@@ -78,7 +78,7 @@ class Lab:
         self.rows: list[dict] = []  # every cell of every round, in the order run
         self.notes: list[str] = []
         self.regime: float | str = plan.opts.regime if plan.opts.regime is not None else "native"  # of the cells now
-        self.prefill_tps = 0.0  # the populating engine's, once measured (the progress bar's estimates)
+        self.prefill_tps = EST_PREFILL_TPS  # the populating engine's once measured (the progress bar's estimates)
         self._last_active: tuple[str, float] | None = None  # the engine that last ran something, and when
 
     def cgroup(self) -> str | None:

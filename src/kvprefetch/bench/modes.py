@@ -84,9 +84,8 @@ def remote_section(backend: str, server: Any, segment_bytes: int | None = None) 
     """The store's `remote` section for a server from `kvprefetch.testbed.local_servers`."""
     if backend == "redis":
         return {"backend": "redis", "redis": {"url": server.url}}
-    mc: dict[str, Any] = {"master": server.master, "metadata_server": server.metadata_server}
-    if segment_bytes:
-        mc["segment_bytes"] = int(segment_bytes)
+    mc = {"master": server.master, "metadata_server": server.metadata_server}
+    mc |= _set(segment_bytes=int(segment_bytes or 0))
     return {"backend": "mooncake", "mooncake": mc}
 
 
@@ -126,31 +125,28 @@ class StoreSizing:
 
 def kvprefetch_extra(sizing: StoreSizing, disk_dir: Path, pool: str, *, prefetch: bool, sync: bool = False,
                      serial: bool = False) -> dict:  # fmt: skip
-    """The connector's settings for a mode: ``sync`` loads inside the step, ``serial`` keeps one read in flight."""
-    extra: dict[str, Any] = {
-        "chunk_tokens": sizing.chunk_tokens,
+    """The connector's settings for a mode: ``sync`` loads inside the step, ``serial`` keeps one read in flight;
+    a setting the sizing leaves unset is left out (the connector's default)."""
+    s = sizing
+    io = {"threads": 1 if serial else s.io_threads} | _set(
+        cpus=list(s.io_cpus or []), read_rate_limit_bps=int(s.read_rate_limit_bps or 0),
+        read_stream_bps=int(s.read_stream_bps or 0))  # fmt: skip
+    # what the product recommends with prefetch: finish a late prefetch in the step when cheaper
+    load_mode = "sync" if sync else "auto" if prefetch else None
+    return {
+        "chunk_tokens": s.chunk_tokens,
         "prefetch": prefetch,
-        "dram": {"capacity_bytes": int(sizing.dram_bytes), "pool_name": pool},
-        "disk": {"path": str(disk_dir), "capacity_bytes": int(sizing.disk_bytes)},
-        "io": {"threads": 1 if serial else sizing.io_threads},
+        "dram": {"capacity_bytes": int(s.dram_bytes), "pool_name": pool},
+        "disk": {"path": str(disk_dir), "capacity_bytes": int(s.disk_bytes)},
+        "io": io,
         "log_interval_s": 0,
-    }
-    if sizing.io_cpus:
-        extra["io"]["cpus"] = list(sizing.io_cpus)
-    if sizing.read_rate_limit_bps:
-        extra["io"]["read_rate_limit_bps"] = int(sizing.read_rate_limit_bps)
-    if sizing.read_stream_bps:
-        extra["io"]["read_stream_bps"] = int(sizing.read_stream_bps)
-    if sizing.prefill_tps_prior:
-        extra["prefill_tps_prior"] = float(sizing.prefill_tps_prior)
-    if sizing.disk_bps_prior:
-        extra["disk_bps_prior"] = float(sizing.disk_bps_prior)
-    if sync:
-        extra["load_mode"] = "sync"
-    elif prefetch:  # what the product recommends with prefetch: finish a late prefetch in the step when cheaper
-        extra["load_mode"] = "auto"
-    extra.update(sizing.extra)
-    return extra
+    } | _set(prefill_tps_prior=float(s.prefill_tps_prior or 0), disk_bps_prior=float(s.disk_bps_prior or 0),
+             load_mode=load_mode) | s.extra  # fmt: skip
+
+
+def _set(**settings: Any) -> dict[str, Any]:
+    """The settings given a value (not None, 0 or empty)."""
+    return {k: v for k, v in settings.items() if v}
 
 
 def kv_transfer_config(mode: str, sizing: StoreSizing, disk_dir: Path, pool: str,
@@ -169,9 +165,7 @@ def kv_transfer_config(mode: str, sizing: StoreSizing, disk_dir: Path, pool: str
         m = MODE[mode]
         extra = kvprefetch_extra(sizing, disk_dir, pool, prefetch=m.prefetch, sync=m.load_mode == "sync",
                                  serial=m.serial)  # fmt: skip
-        if m.keep_warm_s:
-            extra["keep_warm_s"] = m.keep_warm_s
-        return transfer_config(extra)
+        return transfer_config(extra | _set(keep_warm_s=m.keep_warm_s))
     if mode == "vllm-example":
         return {
             "kv_connector": "ExampleConnector",
@@ -197,16 +191,9 @@ def node_transfer_config(mode: str, sizing: StoreSizing, pool: str, *, remote: d
         raise ValueError(f"{mode} needs the pool's remote section")
     extra = kvprefetch_extra(sizing, disk_dir or Path("/nonexistent"), pool, prefetch=m.prefetch,
                              sync=m.load_mode == "sync")  # fmt: skip
-    tiers = ["dram"]
-    if disk_dir is None:
-        del extra["disk"]
-    else:
-        tiers.append("disk")
-    if m.pool:
-        tiers.append("remote")
-        extra["remote"] = remote
-    extra["tiers"] = tiers
-    return transfer_config(extra)
+    tiers = ["dram", *(["disk"] if disk_dir is not None else []), *(["remote"] if m.pool else [])]
+    kept = {k: v for k, v in extra.items() if k != "disk" or disk_dir is not None}
+    return transfer_config(kept | {"tiers": tiers} | ({"remote": remote} if m.pool else {}))
 
 
 def lmcache_env(sizing: StoreSizing, disk_dir: Path) -> dict[str, str]:

@@ -41,27 +41,35 @@ from kvprefetch.workload.replay import reuse_summary
 
 
 def machine_info() -> dict:
-    info: dict[str, Any] = {
-        "hostname": platform.node(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-    }
-    with contextlib.suppress(OSError):
-        info["loadavg_start"] = os.getloadavg()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-    with contextlib.suppress(OSError):
-        kb = int(Path("/proc/meminfo").read_text().split()[1])
-        info["mem_gib"] = round(kb / 2**20, 1)
-    if cuda_available():
-        import torch
+    """What ran the bench, as results.json's `machine` records it (each part left out where it cannot be read)."""
+    base = {"hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
+            "cpus": os.cpu_count()}  # fmt: skip
+    return base | _read("loadavg_start", os.getloadavg) | _read("cpu", _cpu_model) | _read("mem_gib", _mem_gib) | (
+        {"gpu": _gpu_name()} if cuda_available() else {})  # fmt: skip
 
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
+
+def _read(key: str, read: Callable[[], Any]) -> dict[str, Any]:
+    """{key: read()}, or {} where the machine does not say (an OSError, or nothing found)."""
+    try:
+        value = read()
+    except OSError:
+        return {}
+    return {key: value} if value is not None else {}
+
+
+def _cpu_model() -> str | None:
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+
+
+def _mem_gib() -> float:
+    return round(int(Path("/proc/meminfo").read_text().split()[1]) / 2**20, 1)
+
+
+def _gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0)
 
 
 def versions() -> dict:
