@@ -140,8 +140,8 @@ def _prelude(plan: BenchPlan, files: RunFiles, eng: EngineProcess) -> tuple[dict
     res = eng.call(P.Run(file=str(files.workload), level="prelude", concurrency=max(o.concurrency), flush=True,
                          tag="prelude", timeout_s=o.cell_timeout_s))  # fmt: skip
     prelude = cell_metrics(res)
-    notes = [f"prelude: {prelude['errors']} requests failed ({prelude['error_samples']})"] if prelude["errors"] else []
-    return prelude, notes
+    errors, samples = prelude.get("errors"), prelude.get("error_samples")
+    return prelude, [f"prelude: {errors} requests failed ({samples})"] if errors else []
 
 
 def _probe(eng: EngineProcess, bps: int | None, threads: int, sizing: StoreSizing) -> P.Bandwidth:
@@ -171,31 +171,33 @@ def measure_regime(plan: BenchPlan, eng: EngineProcess, throttle, why: str, cal:
     o, chunk = plan.opts, plan.opts.store.chunk_tokens
     native = eng.call(P.DiskBandwidth(max_chunks=128, seconds=8.0))
     figures = P.Calibration.model_validate(cal)
+
+    def measured(bps: float | None) -> float | None:
+        return measured_regime(tps, chunk, chunk_bytes, bps) if bps else None
+
     regime = _asked(plan) | {
         "prefill_tokens_per_s": tps, "decode_step_s": figures.decode_step_s,
         "calibration_foreign_cpu_cores": figures.foreign_cpu_cores, "chunk_tokens": chunk,
-        "chunk_bytes": chunk_bytes, "native_read_bps": native.bps,
-        "native_regime": measured_regime(tps, chunk, chunk_bytes, native.bps) if native.bps else None,
+        "chunk_bytes": chunk_bytes, "native_read_bps": native.bps, "native_regime": measured(native.bps),
     }  # fmt: skip
     sizing = plan.sizing
     if o.regime is None:
-        regime |= {"enforced_by": "none", "read_bps": native.bps, "measured": regime["native_regime"]}
-        return regime, replace(sizing, prefill_tps_prior=tps, disk_bps_prior=regime.get("read_bps"))
+        regime |= {"enforced_by": "none", "read_bps": native.bps, "measured": measured(native.bps)}
+        return regime, replace(sizing, prefill_tps_prior=tps, disk_bps_prior=native.bps)
     bps = target_bps(o.regime, chunk_bytes / chunk, tps)
     sizing, array = emulated_array(sizing, bps)
-    regime |= {"target_read_bps": bps} | array
     if throttle is not None:
         throttle.set(bps)
-        regime["enforced_by"] = f"{throttle.kind} {throttle.device} ({throttle.path})"
+        enforced = f"{throttle.kind} {throttle.device} ({throttle.path})"
     else:
         sizing = replace(sizing, read_rate_limit_bps=bps)
-        regime["enforced_by"] = f"kvprefetch I/O engine read_rate_limit_bps (kernel: {why})"
+        enforced = f"kvprefetch I/O engine read_rate_limit_bps (kernel: {why})"
     probe = _probe(eng, bps, sizing.io_threads, sizing)
     serial = _probe(eng, bps, 1, sizing)
-    regime["read_bps"], regime["serial_read_bps"] = probe.bps, serial.bps
-    regime["measured"] = measured_regime(tps, chunk, chunk_bytes, probe.bps) if probe.bps else None
-    regime["measured_serial"] = measured_regime(tps, chunk, chunk_bytes, serial.bps) if serial.bps else None
-    return regime, replace(sizing, prefill_tps_prior=tps, disk_bps_prior=regime.get("read_bps"))
+    regime |= {"target_read_bps": bps} | array | {
+        "enforced_by": enforced, "read_bps": probe.bps, "serial_read_bps": serial.bps,
+        "measured": measured(probe.bps), "measured_serial": measured(serial.bps)}  # fmt: skip
+    return regime, replace(sizing, prefill_tps_prior=tps, disk_bps_prior=probe.bps)
 
 
 def _asked(plan: BenchPlan) -> dict[str, Any]:
