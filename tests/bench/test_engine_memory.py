@@ -133,7 +133,7 @@ def test_rounds_of_different_sizes_stay_apart():
 def test_give_back_is_the_smallest_size_whose_paired_median_keeps_throughput():
     pts = emr.points(_results()["rows"], 4096)
     found = emr.give_back(pts, 8)
-    assert found.share == 0.25 and found.tput_vs_full["ratio"] == pytest.approx((112 / 120 + 96 / 110) / 2)
+    assert found.share == 0.25 and found.throughput.vs_full.ratio == pytest.approx((112 / 120 + 96 / 110) / 2)
     # the reading: the smallest size that keeps it, whatever a size between does (the table shows that)
     dipped = dict(CURVE) | {("prefetch", 0.5): [(80, 0.5), (75, 0.5)]}
     assert emr.give_back(emr.points(_results(dipped)["rows"]), 8).share == 0.25
