@@ -142,7 +142,6 @@ class Paired(View):
         return None if paired is None else cls.model_validate(paired)
 
 
-
 class BenchResults(View):
     version: int = Field(default=SCHEMA_VERSION, alias=SCHEMA_KEY)
     model: ModelInfo

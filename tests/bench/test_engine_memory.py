@@ -127,7 +127,7 @@ def test_rounds_of_different_sizes_stay_apart():
     assert len(rows) == len(CURVE) and all(r["repeats"] == 2 for r in rows)
     r = next(r for r in rows if r["mode"] == "prefetch" and r["engine_kv_share"] == 0.25)
     assert r["engine_kv_bytes"] == 36 * MIB and r["output_tok_s"] == 104 and r["by_round"]["output_tok_s"] == {
-        0: 112, 1: 96}
+        0: 112, 1: 96}  # fmt: skip
 
 
 def test_give_back_is_the_smallest_size_whose_paired_median_keeps_throughput():

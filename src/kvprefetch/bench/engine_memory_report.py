@@ -306,4 +306,3 @@ def _axes(top, bottom, c: int | None, sizes: list[tuple[int, float]]) -> None:
 
 def _label(mode: str) -> str:
     return {"recompute": "recompute (vLLM alone)", "dram": "dram (all in DRAM)"}.get(mode, mode)
-
