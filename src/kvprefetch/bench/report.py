@@ -73,7 +73,22 @@ def cells(rows: list[dict]) -> list[Cell]:
     return [Cell.model_validate(r) for r in rows]
 
 
-class RegimeSeen(View):
+class StorageReads(View):
+    """How the run's storage read: natively, the throttle's target, as measured (in parallel and one at a time)
+    and as the emulated array's streams (`kvprefetch.bench.regime`); absent where the run did not measure it."""
+
+    native_read_bps: float | None = None
+    native_regime: float | None = None  # R at the native speed
+    target_read_bps: float | None = None
+    read_bps: float | None = None
+    stream_read_bps: float | None = None  # one read stream's cap
+    array_streams: float | None = None
+    io_threads: int | None = None  # the parallel modes' reads in flight
+    serial_read_bps: float | None = None
+    measured_serial: float | None = None  # R with one read in flight
+
+
+class RegimeSeen(StorageReads):
     """results.json's regime as the report reads it: what was asked (R as given, or "native"), how it was
     enforced, and what the run measured (absent in a run that stopped before measuring)."""
 
@@ -85,15 +100,6 @@ class RegimeSeen(View):
     prefill_tokens_per_s: float | None = None
     chunk_tokens: int | None = None
     chunk_bytes: float = 0
-    native_read_bps: float | None = None
-    native_regime: float | None = None
-    target_read_bps: float | None = None
-    read_bps: float | None = None
-    stream_read_bps: float | None = None
-    array_streams: float | None = None
-    io_threads: int | None = None
-    serial_read_bps: float | None = None
-    measured_serial: float | None = None
 
 
 class TraceSample(View):

@@ -134,12 +134,9 @@ class Goal(View):
     figures: str
 
 
-class Window(View):
-    """One fault's window (`fault_windows`)."""
+class Window(FaultEvent):
+    """One fault's window (`fault_windows`): the fault, the requests that arrived during it, and after it."""
 
-    kind: str
-    down_s: float
-    up_s: float | None
     requests: int
     failed: int
     wrong: int
