@@ -25,23 +25,27 @@ SCHEMA_VERSION = 2
 version-1 file's is still read)."""
 
 
-class _Part(BaseModel):
+class View(BaseModel):
+    """A typed read of part of a JSON document: unknown keys ignored (a reader names only what it reads), and
+    immutable (a read answers; it does not change what it read)."""
+
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
-class ModelInfo(_Part):
+class ModelInfo(View):
     vocab_size: int
 
 
-class MachineInfo(_Part):
+class MachineInfo(View):
     cpus: int | None = None
 
 
-class Topology(_Part):
+class Topology(View):
     """Where the run's threads computed (`kvprefetch.testbed.topology`): `shared`, the connector's threads on the
     model's cores; `gpu-node`, on cores of their own (as host threads beside a GPU's compute)."""
 
     kind: str = "shared"
+    sentence: str | None = None  # where the engines ran, said for the report
 
     @property
     def separates_io(self) -> bool:
@@ -49,7 +53,7 @@ class Topology(_Part):
         return self.kind == "gpu-node"
 
 
-class RunConfig(_Part):
+class RunConfig(View):
     concurrency: list[int]
     max_num_batched_tokens: int
     max_num_seqs: int = 256
@@ -59,7 +63,7 @@ class RunConfig(_Part):
     topology: Topology = Topology()
 
 
-class Regime(_Part):
+class Regime(View):
     """The storage regime the run obtained, and the populating engine's first speed samples."""
 
     read_bps: float | None = None
@@ -73,7 +77,7 @@ class Regime(_Part):
     decode_step_s: float | None = None
 
 
-class PreludeCounters(_Part):
+class PreludeCounters(View):
     """What the connector did while the prelude populated the store, before any mode ran."""
 
     helper_cpu_s: float | None = None
@@ -83,18 +87,32 @@ class PreludeCounters(_Part):
     bytes_disk_written: float | None = None
 
 
-class Populate(_Part):
+class Populate(View):
     calibration: dict[str, Any] | None = None  # the engine's `calibrate` op, as it answered
     prelude: PreludeCounters = PreludeCounters()
 
 
-class Row(_Part):
-    """One (mode, concurrency) cell: medians over the run's rounds."""
+class Row(View):
+    """One (mode, concurrency) cell: medians over the run's rounds (`kvprefetch.bench.rounds.aggregate`), and
+    what the report reads of it beside the simulator: where it ran (regime, engine KV size), its spread over
+    the rounds (`*_min`, `*_max`: absent for one round) and why it did not run."""
 
     mode: str
     concurrency: int
     status: str = "ok"
+    reason: str | None = None  # why a cell did not run (status not "ok")
+    regime: Any = None  # the regime asked: R as given (a number or "native"); a sweep's cells name theirs
+    engine_kv_bytes: int | None = None  # an engine-memory sweep's cells: the engine's KV cache
+    engine_kv_share: int | float | None = None  # ... as a share of the full size (1: the full size)
+    repeats: int = 1  # rounds that measured the cell
     ttft_p50_s: float | None = None
+    ttft_p50_s_min: float | None = None
+    ttft_p50_s_max: float | None = None
+    ttft_p90_s: float | None = None
+    output_tok_s: float | None = None
+    output_tok_s_min: float | None = None
+    output_tok_s_max: float | None = None
+    hit_ratio: float | None = None  # of prompt tokens: loaded by the connector
     prompt_tokens: float | None = None
     share_computed: float | None = None  # of prompt tokens: computed by the engine
     share_engine: float | None = None  # ... found in the engine's own prefix cache
@@ -108,7 +126,23 @@ class Row(_Part):
         return round(float(share) * int(self.prompt_tokens))
 
 
-class BenchResults(_Part):
+class Paired(View):
+    """Two cells' figure compared round by round (`kvprefetch.bench.rounds.paired`): the median of the rounds'
+    ratios, their range, how many rounds both measured and the verdict ('lower', 'higher', 'tie', 'one round')."""
+
+    ratio: float
+    min: float
+    max: float
+    n: int
+    verdict: str
+
+    @classmethod
+    def of(cls, paired: dict[str, Any] | None) -> Paired | None:
+        """The view of a `paired` answer (None where the cells had no round in common)."""
+        return None if paired is None else cls.model_validate(paired)
+
+
+class BenchResults(View):
     version: int = Field(default=SCHEMA_VERSION, alias=SCHEMA_KEY)
     model: ModelInfo
     machine: MachineInfo = MachineInfo()

@@ -14,11 +14,13 @@ Every mode ran at every engine KV size, the rounds interleaved across modes and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvprefetch.bench import plotting
 from kvprefetch.bench.rounds import find_row, paired
+from kvprefetch.results import Paired, Row
 from kvprefetch.sim.engine_memory import GIVE_BACK_SHARE, GOAL_TTFT  # the simulator's projection reads them alike
 
 BASELINE = "recompute"  # vLLM alone
@@ -34,7 +36,17 @@ def is_sweep(rows: list[dict]) -> bool:
 
 def full_bytes(rows: list[dict]) -> int | None:
     """The full size: the size whose share is 1 (the sweep always measures it)."""
-    return next((r["engine_kv_bytes"] for r in rows if r.get("engine_kv_share") == 1), None)
+    return next((r.engine_kv_bytes for r in map(Row.model_validate, rows) if r.engine_kv_share == 1), None)
+
+
+@dataclass(frozen=True)
+class Measure:
+    """One figure of a point: the cell's median, its rounds' min-max (None for one round: no spread) and its
+    paired ratio to vLLM alone at full size, round by round (None where either was not measured)."""
+
+    median: float | None = None
+    range: tuple[float, float] | None = None
+    vs_full: Paired | None = None
 
 
 def full_size_rows(rows: list[dict]) -> list[dict]:
@@ -47,8 +59,8 @@ def full_size_rows(rows: list[dict]) -> list[dict]:
 
 @dataclass(frozen=True)
 class SizePoint:
-    """One mode at one size and concurrency: its medians and ranges, and its paired ratios to vLLM alone at
-    full size (None where either was not measured)."""
+    """One mode at one size and concurrency: its throughput (output tok/s) and TTFT p50, each with its range and
+    its ratio to vLLM alone at full size, and its hit ratio (figures None where the cell did not run)."""
 
     mode: str
     concurrency: int
@@ -56,38 +68,34 @@ class SizePoint:
     share: float
     tokens: int | None
     status: str
-    tok_s: float | None
-    tok_s_range: tuple[float, float] | None
-    ttft_p50_s: float | None
-    ttft_range: tuple[float, float] | None
+    throughput: Measure
+    ttft: Measure
     hit_ratio: float | None
-    tput_vs_full: dict | None  # output tok/s / vLLM alone's at full size, round by round
-    ttft_vs_full: dict | None  # TTFT p50 / vLLM alone's at full size
 
 
-def _range(row: dict, key: str) -> tuple[float, float] | None:
+def _range(lo: float | None, hi: float | None, repeats: int) -> tuple[float, float] | None:
     """The min-max of a figure over the cell's rounds (None for one round: no spread)."""
-    lo, hi = row.get(f"{key}_min"), row.get(f"{key}_max")
-    return (lo, hi) if lo is not None and hi is not None and row.get("repeats", 1) > 1 else None
+    return (lo, hi) if lo is not None and hi is not None and repeats > 1 else None
 
 
 def points(rows: list[dict], bytes_per_token: int | None = None) -> list[SizePoint]:
     """Every (mode, size, concurrency) row of the sweep as a point, sizes largest first."""
     full = full_bytes(rows)
+    sized = [(r, x) for r in rows if (x := Row.model_validate(r)).engine_kv_bytes is not None]
     out = []
-    for r in sorted((r for r in rows if r.get("engine_kv_bytes") is not None),
-                    key=lambda r: (r["concurrency"], _mode_rank(r["mode"]), -r["engine_kv_bytes"])):  # fmt: skip
-        base = find_row(rows, BASELINE, r["concurrency"], kv_bytes=full) if full is not None else None
+    for r, x in sorted(sized, key=lambda rx: (rx[1].concurrency, _mode_rank(rx[1].mode), -rx[1].engine_kv_bytes)):
+        base = find_row(rows, BASELINE, x.concurrency, kv_bytes=full) if full is not None else None
         ok = r.get("status") == "ok"
         out.append(SizePoint(
-            mode=r["mode"], concurrency=r["concurrency"], kv_bytes=r["engine_kv_bytes"],
-            share=r.get("engine_kv_share", 0.0),
-            tokens=r["engine_kv_bytes"] // bytes_per_token if bytes_per_token else None,
-            status=r.get("status", "?"), tok_s=r.get("output_tok_s") if ok else None,
-            tok_s_range=_range(r, "output_tok_s") if ok else None, ttft_p50_s=r.get("ttft_p50_s") if ok else None,
-            ttft_range=_range(r, "ttft_p50_s") if ok else None, hit_ratio=r.get("hit_ratio") if ok else None,
-            tput_vs_full=paired(r, base, "output_tok_s") if ok and base else None,
-            ttft_vs_full=paired(r, base, "ttft_p50_s") if ok and base else None))  # fmt: skip
+            mode=x.mode, concurrency=x.concurrency, kv_bytes=x.engine_kv_bytes,
+            share=0.0 if x.engine_kv_share is None else x.engine_kv_share,
+            tokens=x.engine_kv_bytes // bytes_per_token if bytes_per_token else None,
+            status=r.get("status", "?"),
+            throughput=Measure(x.output_tok_s, _range(x.output_tok_s_min, x.output_tok_s_max, x.repeats),
+                               Paired.of(paired(r, base, "output_tok_s")) if base else None) if ok else Measure(),
+            ttft=Measure(x.ttft_p50_s, _range(x.ttft_p50_s_min, x.ttft_p50_s_max, x.repeats),
+                         Paired.of(paired(r, base, "ttft_p50_s")) if base else None) if ok else Measure(),
+            hit_ratio=x.hit_ratio if ok else None))  # fmt: skip
     return out
 
 
@@ -98,8 +106,8 @@ def _mode_rank(mode: str) -> int:
 def give_back(pts: list[SizePoint], concurrency: int, mode: str = "prefetch") -> SizePoint | None:
     """The smallest size at which `mode` keeps `GIVE_BACK_SHARE` of vLLM alone's full-size throughput (the
     paired median, as the issue reads it; the report prints the rounds' range beside it); None if at no size."""
-    ours = [p for p in pts if p.mode == mode and p.concurrency == concurrency and p.tput_vs_full is not None]
-    keeps = [p for p in ours if p.tput_vs_full["ratio"] >= GIVE_BACK_SHARE]
+    ours = [p for p in pts if p.mode == mode and p.concurrency == concurrency and p.throughput.vs_full is not None]
+    keeps = [p for p in ours if p.throughput.vs_full.ratio >= GIVE_BACK_SHARE]
     return min(keeps, key=lambda p: p.kv_bytes, default=None)
 
 
@@ -110,30 +118,47 @@ def _at(pts: list[SizePoint], mode: str, c: int, share: float) -> SizePoint | No
 def goals(pts: list[SizePoint], concurrency: int) -> list[dict]:
     """The issue's goals at `GOAL_SHARE` of the full size, each {"goal", "met" (True/False/None: not measured),
     "figure"}; met only where the paired ratios' whole range passes, not their median alone."""
+    return [g.as_dict() for g in _goals(pts, concurrency)]
+
+
+def _goals(pts: list[SizePoint], concurrency: int) -> list[MemoryGoal]:
     ours, alone = _at(pts, "prefetch", concurrency, GOAL_SHARE), _at(pts, BASELINE, concurrency, GOAL_SHARE)
-    out = []
-
-    def goal(text: str, ratio: dict | None, passes) -> None:
-        if ratio is None or ratio["n"] < 2:  # one round has no spread to judge by: never a pass
-            out.append({"goal": text, "met": None, "figure": _ratio_text(ratio) if ratio else "not measured"})
-            return
-        median, worst = passes(ratio["ratio"]), passes(ratio["min"]) and passes(ratio["max"])
-        out.append({"goal": text, "met": bool(worst), "median_met": bool(median), "figure": _ratio_text(ratio)})
-
     share = f"{GOAL_SHARE:g} of the engine KV"
-    goal(f"prefetch at {share}: throughput >= {GIVE_BACK_SHARE:.0%} of vLLM alone at full size",
-         ours and ours.tput_vs_full, lambda x: x >= GIVE_BACK_SHARE)  # fmt: skip
-    goal(f"prefetch at {share}: TTFT p50 <= {GOAL_TTFT:g}x vLLM alone's at full size",
-         ours and ours.ttft_vs_full, lambda x: x <= GOAL_TTFT)  # fmt: skip
-    goal(f"the workload presses on memory: vLLM alone at {share} loses >= {RECOMPUTE_LOSS:.0%} of its throughput",
-         alone and alone.tput_vs_full, lambda x: x <= 1 - RECOMPUTE_LOSS)  # fmt: skip
-    return out
+    return [
+        MemoryGoal.judge(f"prefetch at {share}: throughput >= {GIVE_BACK_SHARE:.0%} of vLLM alone at full size",
+                         ours and ours.throughput.vs_full, lambda x: x >= GIVE_BACK_SHARE),
+        MemoryGoal.judge(f"prefetch at {share}: TTFT p50 <= {GOAL_TTFT:g}x vLLM alone's at full size",
+                         ours and ours.ttft.vs_full, lambda x: x <= GOAL_TTFT),
+        MemoryGoal.judge(f"the workload presses on memory: vLLM alone at {share} loses >= {RECOMPUTE_LOSS:.0%} of its "
+                         "throughput", alone and alone.throughput.vs_full, lambda x: x <= 1 - RECOMPUTE_LOSS),
+    ]  # fmt: skip
 
 
-def _ratio_text(r: dict | None) -> str:
+@dataclass(frozen=True)
+class MemoryGoal:
+    """One of the issue's goals: met where every round passes (None: not judged), and whether the median does."""
+
+    goal: str
+    met: bool | None
+    figure: str
+    median_met: bool | None = None  # None where not judged
+
+    @classmethod
+    def judge(cls, goal: str, ratio: Paired | None, passes: Callable[[float], bool]) -> MemoryGoal:
+        if ratio is None or ratio.n < 2:  # one round has no spread to judge by: never a pass
+            return cls(goal, None, _ratio_text(ratio) if ratio else "not measured")
+        worst = passes(ratio.min) and passes(ratio.max)
+        return cls(goal, bool(worst), _ratio_text(ratio), bool(passes(ratio.ratio)))
+
+    def as_dict(self) -> dict:
+        judged = {} if self.median_met is None else {"median_met": self.median_met}
+        return {"goal": self.goal, "met": self.met, **judged, "figure": self.figure}
+
+
+def _ratio_text(r: Paired | None) -> str:
     if r is None:
         return "-"
-    return f"{r['ratio']:.2f} ({r['min']:.2f}-{r['max']:.2f}, {r['n']} rounds)"
+    return f"{r.ratio:.2f} ({r.min:.2f}-{r.max:.2f}, {r.n} rounds)"
 
 
 def _mib(n: int) -> str:
@@ -157,9 +182,10 @@ def table_lines(pts: list[SizePoint]) -> list[str]:
             out.append(f"| {p.mode} | {p.concurrency} | {_mib(p.kv_bytes)} | {p.share:.3g} | "
                        f"{_num(p.tokens, ',')} | {p.status} | | | | | | |")  # fmt: skip
             continue
+        tput, ttft = p.throughput, p.ttft
         out.append(f"| {p.mode} | {p.concurrency} | {_mib(p.kv_bytes)} | {p.share:.3g} | {_num(p.tokens, ',')} | "
-                   f"{_num(p.tok_s, '.1f')} | {_span(p.tok_s_range, '.1f')} | {_ratio_text(p.tput_vs_full)} | "
-                   f"{_num(p.ttft_p50_s, '.3f')} | {_span(p.ttft_range, '.3f')} | {_ratio_text(p.ttft_vs_full)} | "
+                   f"{_num(tput.median, '.1f')} | {_span(tput.range, '.1f')} | {_ratio_text(tput.vs_full)} | "
+                   f"{_num(ttft.median, '.3f')} | {_span(ttft.range, '.3f')} | {_ratio_text(ttft.vs_full)} | "
                    f"{_num(p.hit_ratio and 100 * p.hit_ratio, '.0f')}% |")  # fmt: skip
     return out
 
@@ -169,28 +195,29 @@ def summary_lines(pts: list[SizePoint], concurrency: int) -> list[str]:
     full = next((p for p in pts if p.mode == BASELINE and p.concurrency == concurrency and p.share == 1), None)
     found = give_back(pts, concurrency)
     out = []
-    if full is not None and full.tok_s is not None:
-        out.append(f"- vLLM alone at full size ({_mib(full.kv_bytes)}): {full.tok_s:.1f} output tok/s, TTFT p50 "
-                   f"{full.ttft_p50_s:.3f} s (medians).")  # fmt: skip
+    if full is not None and full.throughput.median is not None:
+        out.append(f"- vLLM alone at full size ({_mib(full.kv_bytes)}): {full.throughput.median:.1f} output tok/s, "
+                   f"TTFT p50 {full.ttft.median:.3f} s (medians).")  # fmt: skip
     if found is None:
         out.append(f"- **Memory given back at c={concurrency}: none**: prefetch keeps {GIVE_BACK_SHARE:.0%} of that "
                    "throughput at no size below the full one.")  # fmt: skip
     else:
         freed = full.kv_bytes - found.kv_bytes if full else 0
+        kept = found.throughput.vs_full
         out.append(f"- **Memory given back at c={concurrency}: {1 - found.share:.0%} of the engine's KV "
                    f"({_mib(freed)} of {_mib(full.kv_bytes) if full else '?'})**: the smallest size at which prefetch "
                    f"keeps >= {GIVE_BACK_SHARE:.0%} of vLLM alone's full-size throughput (paired median) is "
-                   f"{found.share:g} ({_mib(found.kv_bytes)}): throughput {_ratio_text(found.tput_vs_full)}, "
-                   f"TTFT p50 {_ratio_text(found.ttft_vs_full)} of vLLM alone at full size; "
-                   f"{'every round' if found.tput_vs_full['min'] >= GIVE_BACK_SHARE else 'not every round'} kept "
+                   f"{found.share:g} ({_mib(found.kv_bytes)}): throughput {_ratio_text(kept)}, "
+                   f"TTFT p50 {_ratio_text(found.ttft.vs_full)} of vLLM alone at full size; "
+                   f"{'every round' if kept.min >= GIVE_BACK_SHARE else 'not every round'} kept "
                    f"{GIVE_BACK_SHARE:.0%} there.")  # fmt: skip
-    for g in goals(pts, concurrency):
-        verdict = {True: "met", False: "NOT met", None: "not judged (fewer than 2 rounds)"}[g["met"]]
-        if g["figure"] == "not measured":
+    for g in _goals(pts, concurrency):
+        verdict = {True: "met", False: "NOT met", None: "not judged (fewer than 2 rounds)"}[g.met]
+        if g.figure == "not measured":
             verdict = "not measured"
-        if g["met"] is False and g.get("median_met"):
+        if g.met is False and g.median_met:
             verdict = "NOT met in every round (the median passes)"
-        out.append(f"- Goal ({g['goal']}): {g['figure']}: **{verdict}**")
+        out.append(f"- Goal ({g.goal}): {g.figure}: **{verdict}**")
     return out
 
 
@@ -246,33 +273,36 @@ def plots(results: dict, out: Path) -> list[str]:
     for mode in dict.fromkeys(p.mode for p in pts):
         mine = sorted((p for p in pts if p.mode == mode), key=lambda p: p.kv_bytes)
         xs = [p.kv_bytes / 2**20 for p in mine]
-        for ax, val, span in ((top, "tok_s", "tok_s_range"), (bottom, "ttft_p50_s", "ttft_range")):
-            ys = [getattr(p, val) for p in mine]
-            lo = [y - (getattr(p, span) or (y, y))[0] for p, y in zip(mine, ys, strict=True)]
-            hi = [(getattr(p, span) or (y, y))[1] - y for p, y in zip(mine, ys, strict=True)]
+        for ax, measures in ((top, [p.throughput for p in mine]), (bottom, [p.ttft for p in mine])):
+            ys = [m.median for m in measures]
+            lo = [y - (m.range or (y, y))[0] for m, y in zip(measures, ys, strict=True)]
+            hi = [(m.range or (y, y))[1] - y for m, y in zip(measures, ys, strict=True)]
             ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=_label(mode))
     full = next((p for p in pts if p.mode == BASELINE and p.share == 1), None)
-    if full is not None and full.tok_s:
-        top.axhline(GIVE_BACK_SHARE * full.tok_s, color="gray", linestyle=":", linewidth=1,
+    if full is not None and full.throughput.median:
+        top.axhline(GIVE_BACK_SHARE * full.throughput.median, color="gray", linestyle=":", linewidth=1,
                     label=f"{GIVE_BACK_SHARE:.0%} of vLLM alone at full size")  # fmt: skip
     if c is not None and (found := give_back(every, c)) is not None:
         for ax in (top, bottom):
             ax.axvline(found.kv_bytes / 2**20, color="green", linestyle="--", linewidth=1)
+    _axes(top, bottom, c, sorted({p.kv_bytes: p.share for p in pts}.items()))
+    plotting.save(fig, bottom, out / "engine_memory.png", legend=False)
+    return ["engine_memory.png"]
+
+
+def _axes(top, bottom, c: int | None, sizes: list[tuple[int, float]]) -> None:
+    """engine_memory.png's labels, and its x axis: the sizes measured, in MiB with their share."""
     top.set_ylabel("output tokens/s")
     top.set_title(f"Throughput and TTFT against the engine's KV cache (c={c})")
     bottom.set_ylabel("TTFT p50 (s)")
     bottom.set_xlabel("engine KV cache, MiB (share of the full size)")
-    sizes = sorted({p.kv_bytes: p.share for p in pts}.items())
     for ax in (top, bottom):
         ax.set_xscale("log", base=2)
         ax.set_xticks([b / 2**20 for b, _ in sizes], [f"{b / 2**20:,.0f}\n({share:g})" for b, share in sizes])
         ax.minorticks_off()
     top.grid(True, alpha=0.3)
     top.legend(fontsize=8)
-    plotting.save(fig, bottom, out / "engine_memory.png", legend=False)
-    return ["engine_memory.png"]
 
 
 def _label(mode: str) -> str:
     return {"recompute": "recompute (vLLM alone)", "dram": "dram (all in DRAM)"}.get(mode, mode)
-
