@@ -50,7 +50,8 @@ def test_a_spec_keys_whole_blocks_of_this_model(tmp_path, caplog):
     assert vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute"  # a failed chunk is a miss
 
 
-def test_each_half_is_built_over_a_store_of_the_specs_chunk_size(tmp_path):
+def test_each_half_is_built_over_a_store_of_the_specs_chunk_size(tmp_path, caplog):
+    import logging
     import uuid
 
     from kvprefetch.vllm.compat import KVConnectorRole
@@ -60,8 +61,10 @@ def test_each_half_is_built_over_a_store_of_the_specs_chunk_size(tmp_path):
     pool = f"kvpt-{uuid.uuid4().hex[:8]}"
     vllm_config, kv_cache_config = vllm_configs(tmp_path, pool)
     spec = connector_spec(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
-    half = build_scheduler(spec, ConnectorCounters("scheduler"), lambda _req_id: [])
+    with caplog.at_level(logging.INFO, logger="kvprefetch.vllm"):
+        half = build_scheduler(spec, ConnectorCounters("scheduler"), lambda _req_id: [])
     try:
+        assert "scheduler side up (chunk_tokens 48 (configured 24, as whole 16-token blocks) = 6144 B" in caplog.text
         assert half.side.store is half.store and half.store.stats()["chunk_bytes"] == spec.geo.chunk_bytes
         assert half.side.blocks_per_chunk == 3 and half.side.chunk_tokens == 48
         assert half.warm_server is None  # no engine id: no warm-up socket

@@ -345,7 +345,12 @@ class Driver:
             core.get_output = wrapped
 
     def run(
-        self, sessions: list[dict], concurrency: int, timeout_s: float, tag: str, record_steps: bool = False,
+        self,
+        sessions: list[dict],
+        concurrency: int,
+        timeout_s: float,
+        tag: str,
+        record_steps: bool = False,
         client: AgentClient | None = None,
     ) -> dict:
         """Run one level's sessions; with `record_steps`, the result also holds every engine step (`steps`);
@@ -679,8 +684,10 @@ def op_geometry(child: EngineChild, req: P.Geometry) -> P.GeometryReply:
     c = _scheduler_connector()
     if c is None:
         return P.GeometryReply(chunk_bytes=None, tp_size=None, chunk_tokens=None, block_size=None)
-    return P.GeometryReply(chunk_bytes=c.geo.chunk_bytes * c.namespace.tp_size, tp_size=c.namespace.tp_size,
-                           chunk_tokens=c.keyer.chunk_tokens, block_size=c.block_size)  # fmt: skip
+    spec = c.spec
+    return P.GeometryReply(chunk_bytes=spec.geo.chunk_bytes * spec.namespace.tp_size, tp_size=spec.namespace.tp_size,
+                           chunk_tokens=spec.chunk_tokens, block_size=spec.block_size,
+                           chunk_tokens_configured=spec.settings.chunk_tokens)  # fmt: skip
 
 
 def op_chunk_keys(child: EngineChild, req: P.ChunkKeys) -> P.KeysReply:
@@ -813,8 +820,9 @@ OPS: dict[type[P.Request], Callable[[EngineChild, Any], Any]] = {
     P.Flush: lambda child, req: P.Flushed(flushed=child.flush()),
     P.CoolDram: lambda child, req: cool_dram(child),
     P.PreloadDram: lambda child, req: preload_dram(req.max_chunks),
-    P.DiskBandwidth: lambda child, req: disk_read_bandwidth(req.max_chunks, req.seconds, req.rate_limit_bps,
-                                                            req.threads, req.stream_bps),
+    P.DiskBandwidth: lambda child, req: disk_read_bandwidth(
+        req.max_chunks, req.seconds, req.rate_limit_bps, req.threads, req.stream_bps
+    ),
     P.StreamLimit: lambda child, req: set_stream_limit(child, req.bps),
 }
 
