@@ -183,7 +183,15 @@ class StoreConfig(BaseSettings):
         env_prefix="KVPREFETCH_", env_nested_delimiter="__", extra="forbid", validate_default=True
     )
 
-    chunk_tokens: int = Field(default=256, ge=1, le=1 << 20, description="Tokens per chunk (the unit of caching).")
+    chunk_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=1 << 20,
+        description="Not the store's: the store keeps whatever chunks it is given (their size is chunk_bytes). "
+        "The vLLM connector owns the chunk size (`kvprefetch.vllm.settings.ConnectorSettings.chunk_tokens`, "
+        "default 256) and reads it from here only when a config file or KVPREFETCH_CHUNK_TOKENS sets it, so those "
+        "keep working; the SGLang backend refuses a value other than SGLang's page size.",
+    )
     tiers: list[TierName] = Field(default_factory=lambda: ["dram", "disk"])
     prefetch: bool = Field(default=True, description="Start moving a request's hits up on arrival.")
     dram: DramConfig = Field(default_factory=DramConfig)

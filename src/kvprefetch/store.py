@@ -704,6 +704,45 @@ class TieredStore:
             dropped += len(stored)
         return dropped
 
+    # ---- states a benchmark starts from (the testbed's engine process) ---------------------------------------
+    def preload_dram(self, keys: Sequence[bytes], batch: int = 256, timeout: float = 600) -> int:
+        """Read `keys` up into the DRAM pool, `batch` at a time, each batch waited for (a cell that starts with
+        DRAM warm); how many are in DRAM afterwards."""
+        for i in range(0, len(keys), batch):
+            self.prefetch(keys[i : i + batch]).wait(timeout=timeout)
+        return sum(self.dram.contains_many(list(keys))) if keys else 0
+
+    def cool_dram(self, keys: Sequence[bytes] | None = None) -> int:
+        """Drop `keys` (None: every chunk no reader pins) from the DRAM pool, leaving the tiers below as they are
+        (a cell that starts with only the disk tier warm; a probe that reads the same chunks from disk again);
+        how many were dropped. Pinned chunks stay."""
+        chosen = list(self.dram.unpinned_ticks()) if keys is None else keys
+        return sum(1 for key in chosen if self.dram.discard(key))
+
+    def set_disk_stream_limit(self, bps: float | None) -> None:
+        """Cap each disk read stream at `bps` (None: uncapped), as ``io.read_stream_bps`` does at start; for a
+        sweep that changes an emulated array's per-stream rate on a store already open."""
+        self.io.set_stream_limit(Tier.DISK.value, bps)
+
+    def seed_remote(self, keys: Sequence[bytes], source: DiskTier) -> int:
+        """Copy `keys` from another disk tier's directory (`source`) into this store's remote tier only, each
+        through a DRAM slot given back unpublished (so neither this DRAM pool nor this disk tier holds them after);
+        how many were written. For a benchmark whose chunks start in the shared tier alone."""
+        if self.remote is None:
+            raise RuntimeError("seed_remote needs a store with a remote tier")
+        written = 0
+        for key in keys:
+            slot = self.dram.allocate(key, self.chunk_bytes)
+            if slot is None:
+                continue
+            try:
+                source.read_into(key, self.dram.image(slot))
+                self.remote.write(key, self.dram.image(slot)[: self.image_bytes])
+                written += 1
+            finally:
+                self.dram.abort(slot)
+        return written
+
     def stats(self) -> dict:
         return {
             "chunk_bytes": self.chunk_bytes,

@@ -272,3 +272,19 @@ def test_mooncake_master_killed_and_restarted_degrades_then_reconnects(own_maste
             break
         time.sleep(1)
     assert _load(node_b, keys[:1]) == 1
+
+
+def test_seed_remote_fills_the_shared_tier_only(open_node, keyer, redis_server, tmp_path):
+    """A benchmark's remote mode starts with its chunks in the shared tier alone: copied from a disk tier's
+    directory through DRAM slots given back unpublished, so this node's DRAM and disk hold none of them."""
+    from kvprefetch.tiers.disk import DiskTier
+
+    keys = keyer.keys(range(16 * 3))
+    source = open_node(remote_section("redis", redis_server), tiers=("dram", "disk"))
+    source.put(keys, [bytes([i]) * source.chunk_bytes for i in range(3)]).result(10)
+    assert source.flush(10)
+    node = open_node(remote_section("redis", redis_server))
+    assert node.seed_remote(keys, DiskTier(source.config.disk.path, 1 << 30, direct_io=False, fsync=False)) == 3
+    assert node.residency(keys) == [frozenset({"remote"})] * 3
+    with pytest.raises(RuntimeError, match="remote tier"):
+        source.seed_remote(keys, DiskTier(source.config.disk.path, 1 << 30, direct_io=False, fsync=False))

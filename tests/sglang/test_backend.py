@@ -162,3 +162,12 @@ def test_a_page_per_io_thread_may_be_in_flight_unless_the_user_capped_it(backend
     capped = tiers_extra(tmp_path, pool_name + "-capped")
     capped["disk"] = capped["disk"] | {"read_inflight_bytes": "2MiB"}
     assert backends(big, extra=capped).store.disk.read_gate.limit_bytes == 2 << 20
+
+
+def test_a_chunk_tokens_other_than_the_page_size_is_refused_not_ignored(backends, tmp_path, pool_name):
+    """With SGLang a chunk is one HiCache page: chunk_tokens equal to the page size (or unset) is fine, another
+    value fails the start naming both sizes and the flag, before any tier opens."""
+    pool = host_pool(page_size=16)
+    assert backends(pool, extra=tiers_extra(tmp_path, pool_name, chunk_tokens=16)).store is not None
+    with pytest.raises(ConfigError, match=r"chunk_tokens 256 differs from SGLang's page size 16.*--page-size 256"):
+        backends(pool, extra=tiers_extra(tmp_path, pool_name, chunk_tokens=256))

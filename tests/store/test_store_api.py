@@ -94,3 +94,22 @@ def test_a_key_repeated_in_one_get_into_loads_its_first_place_and_leaves_no_pin(
     assert store.get_into([a, b, a], out) == 2
     assert np.array_equal(out[0], chunk_payload(a)) and np.array_equal(out[1], chunk_payload(b))
     assert store.dram.discard(a) and store.dram.discard(b)  # nobody pins them: the repeat took no second pin
+
+
+def test_a_benchmark_puts_the_store_in_the_state_a_cell_starts_from(open_store, keyer):
+    """The testbed's calls (`kvprefetch.testbed.engine_proc`): DRAM warmed from disk, DRAM cooled (every unpinned
+    chunk, or the ones named; a pinned chunk stays), a per-stream disk cap set and lifted on an open store."""
+    store = open_store()
+    keys = keyer.keys(range(16 * 4))
+    store.put(keys, [chunk_payload(k) for k in keys]).result(10)
+    assert store.flush(10)
+    assert store.cool_dram(keys[:2]) == 2 and store.in_dram(keys) == [False, False, True, True]
+    assert store.preload_dram(keys, batch=3) == 4 and all(store.in_dram(keys))
+    assert store.pin(keys[:1]) == [True]
+    assert store.cool_dram() == 3 and store.in_dram(keys) == [True, False, False, False]  # the pinned one stays
+    store.unpin(keys[:1])
+    assert store.preload_dram([]) == 0
+    store.set_disk_stream_limit(1e6)
+    assert store.io._stream_bps == {"disk": 1e6}
+    store.set_disk_stream_limit(None)
+    assert store.io._stream_bps == {}

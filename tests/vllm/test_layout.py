@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvprefetch.vllm.layout import PagedKV, effective_chunk_tokens
+from kvprefetch.vllm.layout import PagedKV, blocks_per_chunk
 
 L, B, H, N, C = 3, 10, 2, 4, 6  # layers, blocks, heads, tokens per block, content
 
@@ -99,8 +99,10 @@ def test_copies_on_the_connectors_threads_start_no_openmp_team():
     assert run.stdout.split()[-1] == "0"  # the copies started no thread beside the connector's own
 
 
-def test_chunk_is_whole_blocks():
-    assert effective_chunk_tokens(256, 128) == 256
-    assert effective_chunk_tokens(256, 16) == 256
-    assert effective_chunk_tokens(64, 128) == 128
-    assert effective_chunk_tokens(96, 64) == 192
+def test_the_layout_takes_whole_blocks_and_rounds_nothing():
+    """The chunk size is rounded once, in the spec (`test_spec`); the layout only counts blocks, and a chunk that
+    is not whole blocks reaching it is a bug, said at once rather than rounded a second way."""
+    assert blocks_per_chunk(256, 128) == 2 and blocks_per_chunk(256, 16) == 16
+    for bad in (64, 96, 0):
+        with pytest.raises(ValueError, match="not whole 128-token blocks"):
+            blocks_per_chunk(bad, 128)

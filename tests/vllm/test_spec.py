@@ -15,7 +15,8 @@ def test_pipeline_parallelism_is_refused_by_name():
         check_parallelism(SimpleNamespace(pipeline_parallel_size=2, tensor_parallel_size=1))
 
 
-def vllm_configs(tmp_path, pool: str, block_size: int = 16, chunk_tokens: int = 24, tp_size: int = 1):
+def vllm_configs(tmp_path, pool: str, block_size: int = 16, chunk_tokens: int = 24, tp_size: int = 1,
+                 max_model_len: int = 4096):  # fmt: skip
     """The parts of vLLM's configs the connector reads (vLLM's side, faked): a 2-layer model with one KV head of
     8 float32 values (K and V: 64 B a token)."""
     extra = {"chunk_tokens": chunk_tokens, "log_interval_s": 0, "dram": {"capacity_bytes": 1 << 20, "pool_name": pool},
@@ -24,7 +25,7 @@ def vllm_configs(tmp_path, pool: str, block_size: int = 16, chunk_tokens: int = 
     vllm_config = SimpleNamespace(
         parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=tp_size),
         kv_transfer_config=transfer,
-        model_config=SimpleNamespace(model="tiny", revision=None),
+        model_config=SimpleNamespace(model="tiny", revision=None, max_model_len=max_model_len),
         cache_config=SimpleNamespace(cache_dtype="auto"),
     )
     attention = SimpleNamespace(block_size=block_size, page_size_bytes=64 * block_size, num_kv_heads=1, head_size=8,
@@ -40,6 +41,7 @@ def test_a_spec_keys_whole_blocks_of_this_model(tmp_path, caplog):
     vllm_config, kv_cache_config = vllm_configs(tmp_path, "unused")
     spec = connector_spec(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
     assert spec.chunk_tokens == 48 and "using 48" in caplog.text  # 24 tokens is not whole 16-token blocks
+    assert spec.settings.chunk_tokens == 24  # what was asked, beside what is used
     assert (spec.geo.blocks_per_chunk, spec.geo.chunk_bytes) == (3, 2 * 48 * 64)
     assert spec.is_scheduler and spec.rank == 0 and spec.layer_names == ("layers.0.attn", "layers.1.attn")
     assert spec.namespace.model == "tiny@main" and spec.namespace.dtype == "float32"
@@ -48,7 +50,8 @@ def test_a_spec_keys_whole_blocks_of_this_model(tmp_path, caplog):
     assert vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute"  # a failed chunk is a miss
 
 
-def test_each_half_is_built_over_a_store_of_the_specs_chunk_size(tmp_path):
+def test_each_half_is_built_over_a_store_of_the_specs_chunk_size(tmp_path, caplog):
+    import logging
     import uuid
 
     from kvprefetch.vllm.compat import KVConnectorRole
@@ -58,8 +61,10 @@ def test_each_half_is_built_over_a_store_of_the_specs_chunk_size(tmp_path):
     pool = f"kvpt-{uuid.uuid4().hex[:8]}"
     vllm_config, kv_cache_config = vllm_configs(tmp_path, pool)
     spec = connector_spec(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
-    half = build_scheduler(spec, ConnectorCounters("scheduler"), lambda _req_id: [])
+    with caplog.at_level(logging.INFO, logger="kvprefetch.vllm"):
+        half = build_scheduler(spec, ConnectorCounters("scheduler"), lambda _req_id: [])
     try:
+        assert "scheduler side up (chunk_tokens 48 (configured 24, as whole 16-token blocks) = 6144 B" in caplog.text
         assert half.side.store is half.store and half.store.stats()["chunk_bytes"] == spec.geo.chunk_bytes
         assert half.side.blocks_per_chunk == 3 and half.side.chunk_tokens == 48
         assert half.warm_server is None  # no engine id: no warm-up socket
@@ -71,3 +76,44 @@ def test_each_half_is_built_over_a_store_of_the_specs_chunk_size(tmp_path):
         half.reporter.close()
         half.store.close()
         half.store.dram.path.unlink(missing_ok=True)
+
+
+def test_chunk_tokens_is_rounded_once_and_said_once(caplog):
+    """`whole_blocks` is the one rounding: whole blocks pass unchanged and silently; another value becomes the
+    least common multiple (as since the first release: old configs keep their keys), with one warning naming
+    both values and the block size."""
+    import logging
+
+    from kvprefetch.vllm.spec import whole_blocks
+
+    with caplog.at_level(logging.WARNING, logger="kvprefetch.vllm"):
+        assert whole_blocks(256, 16, 4096) == 256 and whole_blocks(256, 128, None) == 256
+        assert not caplog.records
+        assert whole_blocks(64, 128, 4096) == 128 and whole_blocks(96, 64, 4096) == 192
+    assert [r.getMessage() for r in caplog.records] == [
+        "kvprefetch: chunk_tokens 64 is not a multiple of vLLM's KV block size 128; using 128 (their least common "
+        "multiple; set chunk_tokens to a multiple of 128 to choose it)",
+        "kvprefetch: chunk_tokens 96 is not a multiple of vLLM's KV block size 64; using 192 (their least common "
+        "multiple; set chunk_tokens to a multiple of 64 to choose it)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("chunk_tokens", "words"),
+    [
+        (8192, ["a chunk of 8192 tokens is longer than max_model_len 4096", "multiple of 16 from 16 to 4096"]),
+        (4090, ["a chunk of 32720 tokens (chunk_tokens 4090 as whole 16-token blocks)", "max_model_len 4096"]),
+    ],
+)
+def test_a_chunk_no_request_can_fill_is_refused_at_construction(tmp_path, chunk_tokens, words):
+    """Refused with the reason when the connector is built (each half builds its spec), before any store opens:
+    a chunk longer than the engine's longest request would never be saved nor loaded."""
+    from kvprefetch.vllm.compat import KVConnectorRole
+    from kvprefetch.vllm.spec import connector_spec
+
+    vllm_config, kv_cache_config = vllm_configs(tmp_path, "unused", chunk_tokens=chunk_tokens)
+    with pytest.raises(ValueError) as err:
+        connector_spec(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    assert all(w in str(err.value) for w in words), str(err.value)
+    fits, _ = vllm_configs(tmp_path, "unused", chunk_tokens=4096)  # the longest request is one whole chunk
+    assert connector_spec(fits, KVConnectorRole.SCHEDULER, kv_cache_config).chunk_tokens == 4096

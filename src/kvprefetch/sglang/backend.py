@@ -10,7 +10,9 @@ and a backup thread writes new pages (`batch_set_v1` / `batch_set`). SGLang load
 
 Every other key of the extra config is the store's own config (`kvprefetch.config.StoreConfig`: `dram`, `disk`,
 `remote`, `io`, ...; `config_path` names a YAML base), plus `tenant` and `model_id` (the key identity). Bad keys or
-values fail the server's start with the key named.
+values fail the server's start with the key named. The chunk is SGLang's page (``--page-size`` tokens): a
+`chunk_tokens` set anyway (the vLLM connector's key, in the extra config, the YAML base or
+``KVPREFETCH_CHUNK_TOKENS``) is refused unless it is that page size (`check_chunk_tokens`), rather than ignored.
 
 What it keeps of SGLang's contract and what it adds:
 - One SGLang page is one chunk of the store, under a key derived from SGLang's page key inside a namespace of the
@@ -97,6 +99,18 @@ def check_page_keys_carry_identity() -> None:
         )
 
 
+def check_chunk_tokens(asked: int | None, page_tokens: int) -> None:
+    """SGLang stores and asks for whole pages of its own size, one page per storage key: the backend cannot cut
+    them into chunks of another size, so a config that asks for one is refused (naming both sizes) instead of
+    silently keeping SGLang's. Unset, or equal to the page size: nothing to say."""
+    if asked is not None and asked != page_tokens:
+        raise ConfigError(
+            f"kvprefetch: chunk_tokens {asked} differs from SGLang's page size {page_tokens}: with SGLang a chunk is "
+            f"one HiCache page, so set --page-size {asked} or drop chunk_tokens (from the extra config, its "
+            "config_path file or KVPREFETCH_CHUNK_TOKENS)"
+        )
+
+
 class KVPrefetchStorage(HiCacheStorage):
     """An SGLang `HiCacheStorage` over a `TieredStore` (node DRAM pool, disk tier, shared tier)."""
 
@@ -115,6 +129,7 @@ class KVPrefetchStorage(HiCacheStorage):
         """SGLang hands over its host pool right after creating the backend: its page is the store's chunk."""
         super().register_mem_pool_host(mem_pool_host)
         geometry = PageGeometry.of(mem_pool_host)
+        check_chunk_tokens(self.settings.store.chunk_tokens, geometry.page_tokens)
         if self.geometry is not None and geometry != self.geometry:
             raise ValueError(f"kvprefetch: a host pool of another geometry ({geometry}) after {self.geometry}")
         self.pages = HostPages(mem_pool_host, geometry.page_bytes)

@@ -28,13 +28,16 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvprefetch.testbed import protocol as P
 from kvprefetch.testbed.agent_client import AgentClient
 from kvprefetch.testbed.probes import CpuMeter, HelperCpuMeter, StepRecorder, calibrate, local_cpu_s, random_prompt
 from kvprefetch.testbed.sessions import SessionSchedule
 from kvprefetch.testbed.snapshots import merge_snapshots
+
+if TYPE_CHECKING:
+    from kvprefetch.store import TieredStore
 
 
 def _reply(obj: Any) -> None:
@@ -345,7 +348,12 @@ class Driver:
             core.get_output = wrapped
 
     def run(
-        self, sessions: list[dict], concurrency: int, timeout_s: float, tag: str, record_steps: bool = False,
+        self,
+        sessions: list[dict],
+        concurrency: int,
+        timeout_s: float,
+        tag: str,
+        record_steps: bool = False,
         client: AgentClient | None = None,
     ) -> dict:
         """Run one level's sessions; with `record_steps`, the result also holds every engine step (`steps`);
@@ -432,6 +440,18 @@ class _Cell:
 
 
 # ---- the stores -----------------------------------------------------------------------------------------------
+def _tiered(connector: Any) -> TieredStore:
+    """A connector's store as the `TieredStore` it is: the testbed puts it in the states a cell starts from
+    through the store's own calls (`preload_dram`, `cool_dram`, ...), which the connector's narrower view of it
+    (`kvprefetch.vllm.store_api`) does not name."""
+    from kvprefetch.store import TieredStore
+
+    store = connector.store
+    if not isinstance(store, TieredStore):
+        raise TypeError(f"the connector's store is a {type(store).__name__}, not a TieredStore")
+    return store
+
+
 def _disk_keys(root: Path) -> list[bytes]:
     from kvprefetch.tiers.disk import chunk_keys
 
@@ -443,12 +463,10 @@ def preload_dram(max_chunks: int | None = None) -> dict:
     c = _scheduler_connector()
     if c is None:
         raise RuntimeError("preload_dram needs the kvprefetch connector")
-    store = c.store
+    store = _tiered(c)
     keys = _disk_keys(Path(store.config.disk.path))[:max_chunks]
     t = time.perf_counter()
-    for i in range(0, len(keys), 256):
-        store.prefetch(keys[i : i + 256]).wait(timeout=600)
-    in_dram = sum(store.dram.contains_many(keys)) if keys else 0
+    in_dram = store.preload_dram(keys)
     return {"chunks": len(keys), "in_dram": in_dram, "seconds": time.perf_counter() - t}
 
 
@@ -460,12 +478,11 @@ def cool_dram(child: EngineChild) -> dict:
     c = _scheduler_connector()
     if c is None:
         return {"dropped": 0}
-    store = c.store
+    store = _tiered(c)
     child.flush()  # (every process's: with the workers in other processes, they save)
     leases = c.end_leases()
-    on_disk = store.config.disk_enabled
-    keys = _disk_keys(Path(store.config.disk.path)) if on_disk else list(store.dram.unpinned_ticks())
-    return {"dropped": sum(1 for k in keys if store.dram.discard(k)), "leases_ended": leases}
+    keys = _disk_keys(Path(store.config.disk.path)) if store.config.disk_enabled else None  # None: every chunk
+    return {"dropped": store.cool_dram(keys), "leases_ended": leases}
 
 
 PROBE_MIN_S = 2.0
@@ -506,8 +523,7 @@ def disk_read_bandwidth(max_chunks: int, seconds: float, rate_limit_bps: int | N
                 h = store.prefetch(batch)
                 h.wait(timeout=600)
                 done += sum(1 for v in h.results().values() if v)
-                for k in batch:  # read from disk again in the next pass
-                    store.dram.discard(k)
+                store.cool_dram(batch)  # read from disk again in the next pass
                 if time.perf_counter() - t > seconds:
                     break
             elapsed = time.perf_counter() - t
@@ -523,9 +539,9 @@ def disk_read_bandwidth(max_chunks: int, seconds: float, rate_limit_bps: int | N
 
 def _stream_limit_here(bps: float | None, _worker: Any = None) -> int:
     """Cap each disk read stream of this process's connectors' stores (None: uncapped); how many were set."""
-    stores = [c.store for c in _live_connectors() if c.store is not None]
+    stores = [_tiered(c) for c in _live_connectors() if c.store is not None]
     for store in stores:
-        store.io.set_stream_limit("disk", bps)
+        store.set_disk_stream_limit(bps)
     return len(stores)
 
 
@@ -541,22 +557,12 @@ def seed_remote(src: str) -> dict:
     from kvprefetch.tiers.disk import DiskTier
 
     c = _scheduler_connector()
-    store = getattr(c, "store", None)
+    store = _tiered(c) if c is not None and c.store is not None else None
     if store is None or store.remote is None:
         raise RuntimeError("seed_remote needs the kvprefetch connector with a remote tier")
-    disk = DiskTier(src, 1 << 50, direct_io=False, fsync=False)
     keys = _disk_keys(Path(src))
-    t, written = time.perf_counter(), 0
-    for key in keys:
-        slot = store.dram.allocate(key, store.chunk_bytes)
-        if slot is None:
-            continue
-        try:
-            disk.read_into(key, store.dram.image(slot))
-            store.remote.write(key, store.dram.image(slot)[: store.image_bytes])
-            written += 1
-        finally:
-            store.dram.abort(slot)
+    t = time.perf_counter()
+    written = store.seed_remote(keys, DiskTier(src, 1 << 50, direct_io=False, fsync=False))
     return {"chunks": len(keys), "written": written, "seconds": time.perf_counter() - t}
 
 
@@ -679,8 +685,10 @@ def op_geometry(child: EngineChild, req: P.Geometry) -> P.GeometryReply:
     c = _scheduler_connector()
     if c is None:
         return P.GeometryReply(chunk_bytes=None, tp_size=None, chunk_tokens=None, block_size=None)
-    return P.GeometryReply(chunk_bytes=c.geo.chunk_bytes * c.namespace.tp_size, tp_size=c.namespace.tp_size,
-                           chunk_tokens=c.keyer.chunk_tokens, block_size=c.block_size)  # fmt: skip
+    spec = c.spec
+    return P.GeometryReply(chunk_bytes=spec.geo.chunk_bytes * spec.namespace.tp_size, tp_size=spec.namespace.tp_size,
+                           chunk_tokens=spec.chunk_tokens, block_size=spec.block_size,
+                           chunk_tokens_configured=spec.settings.chunk_tokens)  # fmt: skip
 
 
 def op_chunk_keys(child: EngineChild, req: P.ChunkKeys) -> P.KeysReply:
@@ -813,8 +821,9 @@ OPS: dict[type[P.Request], Callable[[EngineChild, Any], Any]] = {
     P.Flush: lambda child, req: P.Flushed(flushed=child.flush()),
     P.CoolDram: lambda child, req: cool_dram(child),
     P.PreloadDram: lambda child, req: preload_dram(req.max_chunks),
-    P.DiskBandwidth: lambda child, req: disk_read_bandwidth(req.max_chunks, req.seconds, req.rate_limit_bps,
-                                                            req.threads, req.stream_bps),
+    P.DiskBandwidth: lambda child, req: disk_read_bandwidth(
+        req.max_chunks, req.seconds, req.rate_limit_bps, req.threads, req.stream_bps
+    ),
     P.StreamLimit: lambda child, req: set_stream_limit(child, req.bps),
 }
 

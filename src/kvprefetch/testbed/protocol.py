@@ -71,10 +71,15 @@ class KeysReply(_Reply):
 
 
 class GeometryReply(_Reply):
+    """The engine's chunk as its connector uses it (every field None: no kvprefetch connector in the engine).
+    `chunk_tokens` is the effective chunk size (`ConnectorSpec.chunk_tokens`: the configured one as whole KV
+    blocks), the one to compute per-chunk figures from; `chunk_tokens_configured` is what the config asked."""
+
     chunk_bytes: int | None  # a chunk's bytes over every tensor-parallel rank (each rank stores its own part)
     tp_size: int | None
     chunk_tokens: int | None
     block_size: int | None
+    chunk_tokens_configured: int | None = None
 
 
 class Bandwidth(_Reply):
@@ -335,7 +340,7 @@ REQUESTS: dict[str, type[Request]] = {
     r.op: r
     for r in (Warmup, Calibrate, Run, Serve, Add, End, Generate, Warm, DiskBandwidth, StreamLimit, SeedRemote,
               PreloadDram, Geometry, ChunkKeys, Reset, Flush, CoolDram, Counters, Placements, Exit)
-}
+}  # fmt: skip
 
 
 def encode(req: Request) -> str:
@@ -350,5 +355,3 @@ def decode(line: str) -> Request:
     if op not in REQUESTS:
         raise ValueError(f"unknown op {op!r}")
     return REQUESTS[op].model_validate(raw)
-
-

@@ -55,8 +55,9 @@ class TierMeter:
     sample is one observation. ``outstanding`` is the queue in front of a new read (in ops).
     """
 
-    def __init__(self, on_sample: Callable[[int, float], None], sample_ops: int = 4,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, on_sample: Callable[[int, float], None], sample_ops: int = 4, clock: Callable[[], float] = time.monotonic
+    ):
         self._on_sample = on_sample
         self._sample_ops = sample_ops
         self._clock = clock
@@ -154,6 +155,7 @@ class CostModel:
 
     def snapshot(self) -> dict[str, float | int | None]:
         return {
+            "chunk_tokens": self.chunk_tokens,  # the spec's effective chunk, which every estimate is per
             "prefill_tps": self.prefill_tps.value,
             "prefill_samples": self.prefill_tps.samples,
             "disk_bps": self.disk_bps.value,

@@ -188,20 +188,21 @@ def carries_more_than_tokens(request: Any) -> bool:
     return any(getattr(request, a, None) for a in extra) or getattr(request, "prompt_embeds", None) is not None
 
 
-def chunk_blocks(request: Any, i: int, chunk_tokens: int, blocks_per_chunk: int, convert: Callable) -> ChunkBlocks:
+def chunk_blocks(request: Any, i: int, block_size: int, blocks_per_chunk: int, convert: Callable) -> ChunkBlocks:
     """Chunk i of the request in the engine's hash space (its blocks must be hashed: a whole chunk's are), with
-    the extra keys vLLM hashed into each block, as its own events publish them."""
+    the extra keys vLLM hashed into each block, as its own events publish them. A chunk is counted in the
+    engine's blocks (the spec's geometry): no chunk size is derived here."""
     hashes, first = request.block_hashes, i * blocks_per_chunk
+    end = first + blocks_per_chunk
     lora, extra = None, None
     if carries_more_than_tokens(request):
         lora = request.lora_request.lora_name if request.lora_request else None
-        block_size = chunk_tokens // blocks_per_chunk
-        keys = event_extra_keys(request, first, first + blocks_per_chunk, block_size)
+        keys = event_extra_keys(request, first, end, block_size)
         extra = tuple(keys) if keys is not None else None
     return ChunkBlocks(
-        tuple(convert(h) for h in hashes[first : first + blocks_per_chunk]),
+        tuple(convert(h) for h in hashes[first:end]),
         convert(hashes[first - 1]) if first else None,
-        array("i", request.all_token_ids[i * chunk_tokens : (i + 1) * chunk_tokens]),
+        array("i", request.all_token_ids[first * block_size : end * block_size]),
         lora,
         extra,
     )
@@ -238,14 +239,13 @@ class TierEvents:
     # ---- the scheduler's -------------------------------------------------------------------------------------
     def note(self, request: Any, keys: Sequence[Sequence[bytes]], n: int) -> None:
         """Chunks [0, n) of the request, keyed (``keys[rank][i]``, under its identity): asked about from now on."""
-        chunk_tokens = self.block_size * self.blocks_per_chunk
         n = min(n, len(request.block_hashes) // self.blocks_per_chunk)
         now = self.clock()
         with self._lock:
             for i in range(n):
                 ck = tuple(rank[i] for rank in keys)
                 if ck not in self._noted:
-                    blocks = chunk_blocks(request, i, chunk_tokens, self.blocks_per_chunk, self._convert)
+                    blocks = chunk_blocks(request, i, self.block_size, self.blocks_per_chunk, self._convert)
                     self._noted[ck] = _Noted(blocks, now)
 
     def take(self) -> list[Any]:

@@ -70,18 +70,18 @@ class ChunkGeometry:
         return self.num_layers * self.layer_bytes
 
 
-def effective_chunk_tokens(chunk_tokens: int, block_size: int) -> int:
-    """Chunks are whole blocks: the smallest multiple of block_size that is a multiple of chunk_tokens' lcm."""
-    if chunk_tokens % block_size == 0:
-        return chunk_tokens
-    return math.lcm(chunk_tokens, block_size)
+def blocks_per_chunk(chunk_tokens: int, block_size: int) -> int:
+    """How many whole blocks a chunk is. `chunk_tokens` must already be whole blocks: it is rounded once, where
+    the connector's spec is built (`kvprefetch.vllm.spec.whole_blocks`); a value that is not is a caller's bug."""
+    if chunk_tokens <= 0 or chunk_tokens % block_size:
+        raise ValueError(f"chunk_tokens {chunk_tokens} is not whole {block_size}-token blocks")
+    return chunk_tokens // block_size
 
 
 def geometry_from_spec(spec, num_layers: int, chunk_tokens: int) -> ChunkGeometry:
     """Geometry from a vLLM AttentionSpec (scheduler side: no tensors there)."""
     page_bytes = int(getattr(spec, "real_page_size_bytes", None) or spec.page_size_bytes)
-    chunk_tokens = effective_chunk_tokens(chunk_tokens, spec.block_size)
-    return ChunkGeometry(num_layers, spec.block_size, chunk_tokens // spec.block_size, page_bytes)
+    return ChunkGeometry(num_layers, spec.block_size, blocks_per_chunk(chunk_tokens, spec.block_size), page_bytes)
 
 
 class PagedKV:
@@ -115,8 +115,9 @@ class PagedKV:
         return t.unflatten(0, (num_blocks, -1))
 
     def geometry(self, chunk_tokens: int) -> ChunkGeometry:
-        chunk_tokens = effective_chunk_tokens(chunk_tokens, self.block_size)
-        return ChunkGeometry(len(self.layers), self.block_size, chunk_tokens // self.block_size, self.page_bytes)
+        """The geometry of a chunk of `chunk_tokens` (whole blocks: the spec's) over these pages."""
+        per = blocks_per_chunk(chunk_tokens, self.block_size)
+        return ChunkGeometry(len(self.layers), self.block_size, per, self.page_bytes)
 
     # ---- views of chunk buffers -------------------------------------------------------------------------------
     def chunk_view(self, buf: torch.Tensor, geo: ChunkGeometry) -> torch.Tensor:

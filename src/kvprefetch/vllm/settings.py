@@ -1,8 +1,8 @@
 """The connector's configuration: vLLM's ``kv_connector_extra_config``.
 
-The extra config is the store's own config (see ``kvprefetch.config.StoreConfig``: ``chunk_tokens``, ``tiers``,
-``prefetch``, ``dram``, ``disk``, ``io``), optionally based on a YAML file named by ``config_path``, plus the
-connector's own keys below. An empty extra config works: a DRAM pool and a disk tier under the user's cache
+The extra config is the store's own config (see ``kvprefetch.config.StoreConfig``: ``tiers``, ``prefetch``,
+``dram``, ``disk``, ``io``), optionally based on a YAML file named by ``config_path``, plus the connector's own keys
+below. An empty extra config works: a DRAM pool and a disk tier under the user's cache
 directory with the store's default size caps.
 
 How loads happen (``prefetch`` x ``load_mode``; the benchmark's modes in brackets):
@@ -33,6 +33,12 @@ more reluctant.
 
 Connector keys (besides the store's):
 
+* ``chunk_tokens``: tokens per chunk, the unit of caching (default 256). The connector owns it: the store only sees
+  a chunk's bytes. A config file (``config_path``) or ``KVPREFETCH_CHUNK_TOKENS`` may still set it (the key in the
+  extra config wins), as when the store's config carried it. The engine's chunk is whole KV blocks: a value that
+  is not a multiple of vLLM's block size is rounded once, to their least common multiple, when the connector is
+  built (`kvprefetch.vllm.spec.whole_blocks`, which logs it); the effective value is in the connector's start-up
+  line, `ConnectorSpec.chunk_tokens` and the testbed's ``Geometry`` reply.
 * ``load_mode``: ``async`` (default), ``sync`` or ``auto``, see above.
 * ``load_policy``: ``auto`` (default), ``always`` (load every hit), ``never`` (save only).
 * ``load_margin``: load a prefix only if its load time * margin <= its recompute time (default 1.0).
@@ -70,6 +76,12 @@ class ConnectorSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
     store: StoreConfig = Field(description="The store's config (every key that is not the connector's own).")
+    chunk_tokens: int = Field(
+        default=256,
+        ge=1,
+        le=1 << 20,
+        description="Tokens per chunk, the unit of caching (rounded up to whole KV blocks of the engine).",
+    )
     model_id: str | None = Field(
         default=None, description="Model identity used in chunk keys (default: the model path/name and revision)."
     )
@@ -112,8 +124,8 @@ class ConnectorSettings(BaseModel):
         ge=0,
         le=86400,
         description="Lease on finish: keep a finished request's prompt + answer chunks in DRAM this long, as the "
-        "likely head of its session's next turn (per request: kv_transfer_params {\"kvprefetch\": "
-        "{\"keep_warm_s\": N}}). 0: no lease unless a request asks for one.",
+        'likely head of its session\'s next turn (per request: kv_transfer_params {"kvprefetch": '
+        '{"keep_warm_s": N}}). 0: no lease unless a request asks for one.',
     )
     lease_budget_share: float = Field(
         default=0.25,
@@ -144,6 +156,9 @@ def parse_extra_config(extra: dict[str, Any] | None) -> ConnectorSettings:
     data = dict(extra or {})
     own = {k: data.pop(k) for k in list(data) if k in _CONNECTOR_KEYS}
     store = StoreConfig.from_dict(data)
+    if "chunk_tokens" not in own and store.chunk_tokens is not None:  # from config_path or the environment
+        own["chunk_tokens"] = store.chunk_tokens
+    store = store.model_copy(update={"chunk_tokens": None})  # the connector's, not the store's: read it there
     try:
         return ConnectorSettings(store=store, **own)
     except ValidationError as err:

@@ -9,6 +9,7 @@ and each step can be tested without an engine (``tests/vllm/test_spec.py``).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kvprefetch.keys import ChunkKeyer, KVNamespace
 from kvprefetch.vllm.compat import KVConnectorRole, check_version, num_blocks_of, single_attention_group
 from kvprefetch.vllm.events import TierEvents
-from kvprefetch.vllm.layout import ChunkGeometry, effective_chunk_tokens, geometry_from_spec
+from kvprefetch.vllm.layout import ChunkGeometry, geometry_from_spec
 from kvprefetch.vllm.metrics import ConnectorCounters, Reporter
 from kvprefetch.vllm.scheduler import SchedulerSide
 from kvprefetch.vllm.settings import ConnectorSettings, parse_extra_config
@@ -63,7 +64,7 @@ def connector_spec(vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any
     transfer = vllm_config.kv_transfer_config
     settings = parse_extra_config(transfer.kv_connector_extra_config)
     attention, layer_names = single_attention_group(kv_cache_config)
-    chunk_tokens = _whole_blocks(settings.store.chunk_tokens, attention.block_size)
+    chunk_tokens = whole_blocks(settings.chunk_tokens, attention.block_size, vllm_config.model_config.max_model_len)
     geo = geometry_from_spec(attention, len(layer_names), chunk_tokens)
     is_scheduler = role == KVConnectorRole.SCHEDULER
     tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
@@ -115,12 +116,18 @@ def build_scheduler(
     )  # fmt: skip
     warm_server = start_warm_server(spec.engine_id, side)
     log.info(
-        "kvprefetch: scheduler side up (chunk %d tokens = %d B per rank x %d ranks, prefetch %s, "
+        "kvprefetch: scheduler side up (chunk_tokens %d%s = %d B per rank x %d ranks, prefetch %s, "
         "load_mode %s, namespace %s)",
-        spec.chunk_tokens, geo.chunk_bytes, spec.namespace.tp_size, "on" if settings.prefetch else "off",
-        settings.load_mode, spec.namespace.short_id,
+        spec.chunk_tokens, _configured(spec), geo.chunk_bytes, spec.namespace.tp_size,
+        "on" if settings.prefetch else "off", settings.load_mode, spec.namespace.short_id,
     )  # fmt: skip
     return SchedulerHalf(side, store, reporter, warm_server, events)
+
+
+def _configured(spec: ConnectorSpec) -> str:
+    """What the start-up line adds when the chunk is not the size configured (`whole_blocks` rounded it)."""
+    asked = spec.settings.chunk_tokens
+    return "" if asked == spec.chunk_tokens else f" (configured {asked}, as whole {spec.block_size}-token blocks)"
 
 
 def _tier_events(spec: ConnectorSpec, store: ConnectorStore) -> TierEvents:
@@ -148,13 +155,31 @@ def build_worker(spec: ConnectorSpec, counters: ConnectorCounters, kv_cache_conf
                       open_checked, counters, layerwise=spec.settings.layerwise)  # fmt: skip
 
 
-def _whole_blocks(chunk_tokens: int, block_size: int) -> int:
-    """A chunk is whole vLLM blocks: the configured chunk_tokens rounded up to them (with a warning)."""
-    whole = effective_chunk_tokens(chunk_tokens, block_size)
+def whole_blocks(chunk_tokens: int, block_size: int, max_model_len: int | None) -> int:
+    """The chunk size the connector uses: the configured `chunk_tokens` as whole KV blocks of the engine. The one
+    place it is rounded; everything downstream (both halves' geometry, the keys, the cost model, the tiers' KV
+    events, the testbed's report) reads the result from the spec.
+
+    A chunk is copied block by block, so it must be whole blocks. A value that is not is rounded up to the least
+    common multiple of the two, as it has been since the first release (the chunk stays a whole number of the
+    configured chunks, and configs written against that rule keep their keys), and said once in the log.
+    (vLLM's own offloading connector refuses a ``block_size`` that is not a multiple of the GPU block size,
+    naming the rounded-up value to use; rounding keeps a config written for one block size working on an
+    engine with another.) Refused, with the reason, at the connector's construction: a chunk longer than
+    ``max_model_len``, which no request could ever fill (nothing would be saved or loaded)."""
+    whole = chunk_tokens if chunk_tokens % block_size == 0 else math.lcm(chunk_tokens, block_size)
+    if max_model_len is not None and whole > max_model_len:
+        rounded = f" (chunk_tokens {chunk_tokens} as whole {block_size}-token blocks)" if whole != chunk_tokens else ""
+        raise ValueError(
+            f"kvprefetch: a chunk of {whole} tokens{rounded} is longer than max_model_len {max_model_len}: no "
+            f"request could fill one, so nothing would be cached; set chunk_tokens to a multiple of {block_size} "
+            f"from {block_size} to {max_model_len}"
+        )
     if whole != chunk_tokens:
         log.warning(
-            "kvprefetch: chunk_tokens %d is not a multiple of vLLM's block size %d; using %d",
-            chunk_tokens, block_size, whole,
+            "kvprefetch: chunk_tokens %d is not a multiple of vLLM's KV block size %d; using %d (their least "
+            "common multiple; set chunk_tokens to a multiple of %d to choose it)",
+            chunk_tokens, block_size, whole, block_size,
         )  # fmt: skip
     return whole
 
