@@ -47,13 +47,17 @@ def version() -> None:
 def show_config(
     path: Annotated[Path | None, typer.Option("--config", "-c", help="YAML file to load.")] = None,
 ) -> None:
-    """Validate and print the effective store configuration (file + KVPREFETCH_* environment + defaults)."""
+    """Validate and print the effective store configuration (file + KVPREFETCH_* environment + defaults), with the
+    chunk size the vLLM connector would use with it (the connector owns it; its default where nothing sets it)."""
+    from kvprefetch.vllm.settings import DEFAULT_CHUNK_TOKENS
+
     try:
         cfg = StoreConfig.load(path)
     except ConfigError as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
-    print(json.dumps(cfg.model_dump(mode="json"), indent=2))
+    shown = cfg.model_copy(update={"chunk_tokens": cfg.chunk_tokens or DEFAULT_CHUNK_TOKENS})
+    print(json.dumps(shown.model_dump(mode="json"), indent=2))
 
 
 def _register_subcommands() -> None:

@@ -41,8 +41,9 @@ def test_a_bad_request_is_refused_by_name():
 
 def test_the_engine_spec_travels_whole():
     spec = P.EngineSpec(model="/m", max_model_len=1024, kv_cache_bytes=1 << 24, max_num_seqs=1, dtype="float32",
-                        engine_args={"tensor_parallel_size": 2}, env={"A": "1"},
-                        topology=P.Placement(model_cpus=[0], host_cpus=[1]))  # fmt: skip
+                        engine_args={"tensor_parallel_size": 2},
+                        process=P.ProcessSpec(env={"A": "1"},
+                                              topology=P.Placement(model_cpus=[0], host_cpus=[1])))  # fmt: skip
     assert P.EngineSpec.model_validate_json(spec.model_dump_json()) == spec
     assert spec.tensor_parallel_size == 2
     with pytest.raises(ValidationError, match="kv_cache_memory_bytes"):  # vLLM's name, not the spec's

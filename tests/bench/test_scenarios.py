@@ -50,7 +50,7 @@ def _answer(c: int) -> dict:
 def _population() -> Populated:
     sizing = StoreSizing(chunk_tokens=256, dram_bytes=1 << 20, disk_bytes=1 << 30)
     ask = P.Calibrate(prompt_tokens=256, repeats=1, decode_tokens=8, vocab=1000)
-    return Populated(tps=1000.0, calibrate=ask, chunk_bytes=1 << 20, engine_block_tokens=16,
+    return Populated(tps=1000.0, chunk_tokens=256, calibrate=ask, chunk_bytes=1 << 20, engine_block_tokens=16,
                      regime={"asked": "native"}, sweep=[], sweep_info=[], info={}, placement={},
                      sizing=sizing)  # fmt: skip
 

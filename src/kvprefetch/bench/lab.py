@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict
 
 from kvprefetch.bench.plan import EST_PREFILL_TPS, BenchPlan
-from kvprefetch.bench.populate import RunFiles
+from kvprefetch.bench.populate import Populated, RunFiles
 from kvprefetch.bench.regime import Throttle
 from kvprefetch.bench.stats import cell_metrics
 from kvprefetch.results import Row
@@ -78,7 +78,7 @@ class Lab:
         self.rows: list[dict] = []  # every cell of every round, in the order run
         self.notes: list[str] = []
         self.regime: float | str = plan.opts.regime if plan.opts.regime is not None else "native"  # of the cells now
-        self.prefill_tps = EST_PREFILL_TPS  # the populating engine's once measured (the progress bar's estimates)
+        self.population: Populated | None = None  # what phase 1 measured and made, once it has run
         self._last_active: tuple[str, float] | None = None  # the engine that last ran something, and when
 
     def cgroup(self) -> str | None:
@@ -129,13 +129,15 @@ class Lab:
                   tags: dict[str, Any] | None = None) -> None:  # fmt: skip
         """One run per concurrency level: `cell(c)` runs it and returns (engine result, extra row fields);
         an engine error fails that run only. Every row carries `tags` (its engine's size)."""
-        plan = self.plan
+        plan, pop = self.plan, self.population
+        tps = pop.tps if pop is not None else EST_PREFILL_TPS
+        chunk_tokens = pop.chunk_tokens if pop is not None else plan.opts.store.chunk_tokens
         for c in plan.opts.concurrency:
-            est = plan.cell_estimate(mode, c, self.prefill_tps)
+            est = plan.cell_estimate(mode, c, tps)
             self.progress.update(f"{mode} @ concurrency {c}: {plan.workload.requests(c)} requests{where}")
             try:
                 res, extra = cell(c)
-                metrics = cell_metrics(res, plan.opts.store.chunk_tokens)
+                metrics = cell_metrics(res, chunk_tokens)
                 row = {"mode": mode, "concurrency": c, "status": "ok"} | metrics | extra
                 with contextlib.suppress(OSError):
                     row["loadavg_1m"] = os.getloadavg()[0]

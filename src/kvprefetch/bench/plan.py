@@ -16,7 +16,7 @@ from typing import Any
 
 from kvprefetch.bench.modes import MODES, StoreSizing, availability
 from kvprefetch.bench.options import BenchOptions, KvAsk
-from kvprefetch.testbed.protocol import EngineSpec, Placement
+from kvprefetch.testbed.protocol import EngineSpec, Placement, ProcessSpec
 from kvprefetch.testbed.server import TINY_MODEL
 from kvprefetch.testbed.topology import Topology, plan_topology
 from kvprefetch.workload.agent import AgentBench, agent_workload
@@ -216,9 +216,7 @@ class BenchPlan:
             max_num_batched_tokens=self.opts.engine.max_num_batched_tokens,
             engine_args=self.engine_args(),
             kv_transfer_config=kv_transfer,
-            cgroup=cgroup,
-            env=env or {},
-            topology=Placement(**topo) if topo else None,
+            process=ProcessSpec(cgroup=cgroup, env=env or {}, topology=Placement(**topo) if topo else None),
         )
 
     def cell_estimate(self, mode: str, c: int, tps: float) -> float:

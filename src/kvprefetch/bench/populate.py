@@ -11,7 +11,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvprefetch.bench.modes import StoreSizing, kvprefetch_extra
 from kvprefetch.bench.plan import BenchPlan
@@ -24,6 +24,14 @@ from kvprefetch.vllm.settings import transfer_config
 from kvprefetch.workload.replay import apply_utilisation
 
 Sweep = list[tuple[float | str, int | None]]  # further regimes: (label, read throttle bps)
+
+
+class Chunk(NamedTuple):
+    """A chunk as the populating engine's connector makes it: its tokens (the asked size as whole engine blocks)
+    and its bytes."""
+
+    tokens: int
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,7 @@ class Populated:
     report need."""
 
     tps: float  # prefill tokens/s
+    chunk_tokens: int  # the connector's, as it chunks (the asked size as whole engine blocks): every per-chunk figure's
     calibrate: P.Calibrate  # the calibration asked of the populating engine (the mode engines repeat it)
     chunk_bytes: int
     engine_block_tokens: int | None
@@ -89,16 +98,18 @@ def populate(plan: BenchPlan, files: RunFiles, throttle, why: str, start: Callab
         counters: P.CountersReply = eng.call(P.Counters())
         placement = eng.call(P.Placements())
         geometry: P.GeometryReply = eng.call(P.Geometry())
-        chunk_bytes = int(geometry.chunk_bytes or o.store.chunk_tokens * plan.model.bytes_per_token)
-        regime, sizing = measure_regime(plan, eng, throttle, why, cal, tps, chunk_bytes)
-        sweep, sweep_info, skipped = probe_sweep(plan, eng, throttle, tps, chunk_bytes, regime, sizing)
+        chunk = Chunk(geometry.chunk_tokens or o.store.chunk_tokens, 0)
+        chunk = chunk._replace(nbytes=int(geometry.chunk_bytes or chunk.tokens * plan.model.bytes_per_token))
+        regime, sizing = measure_regime(plan, eng, throttle, why, cal, tps, chunk)
+        sweep, sweep_info, skipped = probe_sweep(plan, eng, throttle, tps, chunk, regime, sizing)
         say("populated", 20)
     finally:
         eng.close()
         remove_pool(files.pool("populate"))
     info = {"prelude": {k: v for k, v in prelude.items() if k != "ttft_samples_s"}, "calibration": cal,
             "chunks_on_disk": count_chunks(files.populated), "store_counters": counters.store}  # fmt: skip
-    return Populated(tps=tps, calibrate=ask, chunk_bytes=chunk_bytes, engine_block_tokens=geometry.block_size,
+    return Populated(tps=tps, chunk_tokens=chunk.tokens, calibrate=ask, chunk_bytes=chunk.nbytes,
+                     engine_block_tokens=geometry.block_size,
                      regime=regime, sweep=sweep, sweep_info=sweep_info, info=info, placement=placement,
                      sizing=sizing, notes=notes + skipped)  # fmt: skip
 
@@ -165,26 +176,26 @@ def emulated_array(sizing: StoreSizing, bps: int) -> tuple[StoreSizing, dict[str
 
 
 def measure_regime(plan: BenchPlan, eng: EngineProcess, throttle, why: str, cal: dict, tps: float,
-                   chunk_bytes: int) -> tuple[dict[str, Any], StoreSizing]:  # fmt: skip
+                   chunk: Chunk) -> tuple[dict[str, Any], StoreSizing]:  # fmt: skip
     """The native disk rate, then the asked regime's throttle set and measured (the regime obtained); the
     regime as results.json records it, and the sizing the mode engines start with."""
-    o, chunk = plan.opts, plan.opts.store.chunk_tokens
+    o, chunk_bytes, chunk_tokens = plan.opts, chunk.nbytes, chunk.tokens
     native = eng.call(P.DiskBandwidth(max_chunks=128, seconds=8.0))
     figures = P.Calibration.model_validate(cal)
 
     def measured(bps: float | None) -> float | None:
-        return measured_regime(tps, chunk, chunk_bytes, bps) if bps else None
+        return measured_regime(tps, chunk_tokens, chunk_bytes, bps) if bps else None
 
     regime = _asked(plan) | {
         "prefill_tokens_per_s": tps, "decode_step_s": figures.decode_step_s,
-        "calibration_foreign_cpu_cores": figures.foreign_cpu_cores, "chunk_tokens": chunk,
+        "calibration_foreign_cpu_cores": figures.foreign_cpu_cores, "chunk_tokens": chunk_tokens,
         "chunk_bytes": chunk_bytes, "native_read_bps": native.bps, "native_regime": measured(native.bps),
     }  # fmt: skip
     sizing = plan.sizing
     if o.regime is None:
         regime |= {"enforced_by": "none", "read_bps": native.bps, "measured": measured(native.bps)}
         return regime, replace(sizing, prefill_tps_prior=tps, disk_bps_prior=native.bps)
-    bps = target_bps(o.regime, chunk_bytes / chunk, tps)
+    bps = target_bps(o.regime, chunk_bytes / chunk_tokens, tps)
     sizing, array = emulated_array(sizing, bps)
     if throttle is not None:
         throttle.set(bps)
@@ -206,7 +217,7 @@ def _asked(plan: BenchPlan) -> dict[str, Any]:
     return {"asked": o.regime if o.regime is not None else "native", "whitepaper_r2": whitepaper_r2().sentence()}
 
 
-def probe_sweep(plan: BenchPlan, eng: EngineProcess, throttle, tps: float, chunk_bytes: int, regime: dict,
+def probe_sweep(plan: BenchPlan, eng: EngineProcess, throttle, tps: float, chunk: Chunk, regime: dict,
                 sizing: StoreSizing) -> tuple[Sweep, list[dict], list[str]]:  # fmt: skip
     """The further regimes of a sweep, each set on the kernel throttle and measured with the populating
     engine's cold reads; the throttle is then set back to the run's regime. A sweep needs the kernel
@@ -214,17 +225,16 @@ def probe_sweep(plan: BenchPlan, eng: EngineProcess, throttle, tps: float, chunk
     notes on those left out."""
     out: Sweep = []
     info, notes = [], []
-    chunk = plan.opts.store.chunk_tokens
     for r in plan.opts.sweep:
         label = r if r is not None else "native"
         if r is not None and throttle is None:
             notes.append(f"regime {label} left out of the sweep: no kernel read throttle here")
             continue
-        bps = None if r is None else target_bps(r, chunk_bytes / chunk, tps)
+        bps = None if r is None else target_bps(r, chunk.nbytes / chunk.tokens, tps)
         if throttle is not None:
             throttle.set(bps)
         read_bps = regime.get("native_read_bps") if r is None else _probe(eng, bps, sizing.io_threads, sizing).bps
-        measured = measured_regime(tps, chunk, chunk_bytes, read_bps) if read_bps else None
+        measured = measured_regime(tps, chunk.tokens, chunk.nbytes, read_bps) if read_bps else None
         info.append({"asked": label, "target_read_bps": bps, "read_bps": read_bps, "measured": measured})
         out.append((label, bps))
     if throttle is not None:

@@ -118,7 +118,7 @@ class Bench:
         try:
             pop = populate(plan, self.files, throttle, why, lab.start, lab.progress.update, lab.log)
             lab.notes += pop.notes
-            lab.prefill_tps = pop.tps
+            lab.population = pop
             sections = self._run_stages(lab, pop)
         finally:
             if throttle is not None:
@@ -148,6 +148,7 @@ def assemble(plan: BenchPlan, pop: Populated | None, files: RunFiles, t_start: f
     """results.json's content but the rows, notes and mode calibrations (which the run adds)."""
     o, w = plan.opts, plan.workload
     pop_info = pop.info if pop else {}
+    chunk_tokens = pop.chunk_tokens if pop else o.store.chunk_tokens  # as the connector chunks
     return {
         SCHEMA_KEY: SCHEMA_VERSION,
         "started": dt.datetime.fromtimestamp(t_start).isoformat(timespec="seconds"),
@@ -156,7 +157,7 @@ def assemble(plan: BenchPlan, pop: Populated | None, files: RunFiles, t_start: f
         "versions": versions(),
         "model": {k: v for k, v in asdict(plan.model).items() if k != "config"} | {"config": plan.model.config},
         "config": _config(plan, pop, files),
-        "workload": w.declared | reuse_summary(w, o.store.chunk_tokens) | _workload_sizes(plan),
+        "workload": w.declared | reuse_summary(w, chunk_tokens) | _workload_sizes(plan),
         "regime": pop.regime if pop else {},
         "sweep": pop.sweep_info if pop else [],
         "populate": pop_info,
@@ -182,7 +183,7 @@ def _config(plan: BenchPlan, pop: Populated | None, files: RunFiles) -> dict:
         "modes": o.modes,
         "concurrency": o.concurrency,
         "quick": o.quick,
-        "chunk_tokens": o.store.chunk_tokens,
+        "chunk_tokens": pop.chunk_tokens if pop else o.store.chunk_tokens,  # as the connector chunks
         "max_model_len": plan.max_model_len,
         "engine_kv_cache_bytes": plan.kv_cache_bytes,
         "engine_kv_cache_tokens": plan.kv_cache_bytes // plan.model.bytes_per_token,

@@ -162,9 +162,9 @@ def pin_to_host(spec: P.EngineSpec) -> None:
     the model's cores; the connector its own threads to ``io.cpus``)."""
     import psutil
 
-    if spec.topology is None:
+    if spec.process.topology is None:
         return
-    host, unbound = set(spec.topology.host_cpus), os.sched_getaffinity(0)
+    host, unbound = set(spec.process.topology.host_cpus), os.sched_getaffinity(0)
     me = psutil.Process()
     for proc in [me, *me.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
@@ -182,7 +182,7 @@ def _scheduler_connector():
 
 
 def place(spec: P.EngineSpec) -> P.EngineSpec:
-    """A GPU node's division of labour on a CPU machine (`spec.topology`): the model's forward in vLLM's worker
+    """A GPU node's division of labour on a CPU machine (`spec.process.topology`): the model's forward in vLLM's worker
     process(es) with their OpenMP threads bound to the model's cores (the "accelerator"), while this process (the
     client, the scheduler and its connector) and the connector threads of every process (``io.cpus``, set by the
     bench) run on the host cores. The workers are vLLM's multiprocess executor's, as in a `vllm serve`
@@ -192,7 +192,7 @@ def place(spec: P.EngineSpec) -> P.EngineSpec:
     bench starts together start in half the time on two cores)."""
     from kvprefetch.vllm.cpu import OMP_BIND, omp_threads_bind, tp_cpu_env
 
-    topo, tp = spec.topology, spec.tensor_parallel_size
+    topo, tp = spec.process.topology, spec.tensor_parallel_size
     if topo is None:
         os.environ.update(tp_cpu_env(tp))
         return spec
@@ -832,13 +832,13 @@ def start(spec: P.EngineSpec) -> tuple[EngineChild, Callable[[], None]]:
     """The engine this process runs (placed, in its cgroup, with the spec's environment), and what to do at
     exit: vLLM's CPU build leaves its tensor-parallel shared-memory segments (/dev/shm/vllm_dist_*) behind when
     the process ends, so those this engine created are removed."""
-    _join_cgroup(spec.cgroup)
-    if spec.netns:
+    _join_cgroup(spec.process.cgroup)
+    if spec.process.netns:
         from kvprefetch.testbed.netns import join
 
-        join(spec.netns)
+        join(spec.process.netns)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.update(spec.env)
+    os.environ.update(spec.process.env)
     spec = place(spec)
     shm_before = set(glob.glob("/dev/shm/vllm_dist_*"))
     child = EngineChild(build_engine(spec))

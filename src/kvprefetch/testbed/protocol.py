@@ -36,6 +36,15 @@ class Placement(_Wire):
     inproc: bool = False
 
 
+class ProcessSpec(_Wire):
+    """Where and in what the engine process runs, set up before vLLM is imported."""
+
+    cgroup: str | None = None  # the process joins this cgroup (v1 blkio) before anything starts
+    netns: str | None = None  # ... and this network namespace (`kvprefetch.testbed.netns`)
+    env: dict[str, str] = {}  # set in the engine process before vLLM is imported
+    topology: Placement | None = None  # None: every thread on every core
+
+
 class EngineSpec(_Wire):
     """One vLLM engine as the engine process builds it. `engine_args` passes further vLLM `EngineArgs` through
     as given (vLLM validates them); the fields here are the ones the bench and the tests decide."""
@@ -51,10 +60,7 @@ class EngineSpec(_Wire):
     enable_prefix_caching: bool = True
     engine_args: dict[str, Any] = {}
     kv_transfer_config: dict[str, Any] | None = None
-    cgroup: str | None = None  # the process joins this cgroup (v1 blkio) before anything starts
-    netns: str | None = None  # the process joins this network namespace before anything starts (`bench.netns`)
-    env: dict[str, str] = {}  # set in the engine process before vLLM is imported
-    topology: Placement | None = None  # None: every thread on every core
+    process: ProcessSpec = ProcessSpec()
 
     @property
     def tensor_parallel_size(self) -> int:

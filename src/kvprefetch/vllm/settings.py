@@ -66,6 +66,8 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationErro
 from kvprefetch.config import ConfigError, StoreConfig, _explain
 from kvprefetch.modes import LoadMode
 
+DEFAULT_CHUNK_TOKENS = 256
+
 LoadPolicy = Literal["auto", "always", "never"]
 
 
@@ -77,7 +79,7 @@ class ConnectorSettings(BaseModel):
 
     store: StoreConfig = Field(description="The store's config (every key that is not the connector's own).")
     chunk_tokens: int = Field(
-        default=256,
+        default=DEFAULT_CHUNK_TOKENS,
         ge=1,
         le=1 << 20,
         description="Tokens per chunk, the unit of caching (rounded up to whole KV blocks of the engine).",

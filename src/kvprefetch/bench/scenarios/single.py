@@ -304,7 +304,7 @@ def dram_sizing(plan: BenchPlan, pop: Populated) -> StoreSizing:
     """The `dram` mode's tiers: a DRAM tier that holds the whole disk tier and every cell's new chunks."""
     w = plan.workload
     total = pop.info["chunks_on_disk"] + math.ceil(
-        (w.prompt_tokens() + 64 * sum(w.requests(c) for c in w.levels)) / plan.opts.store.chunk_tokens
+        (w.prompt_tokens() + 64 * sum(w.requests(c) for c in w.levels)) / pop.chunk_tokens
     )
     return replace(pop.sizing, dram_bytes=int((total + 64) * (pop.chunk_bytes + 8192) * 1.1))
 

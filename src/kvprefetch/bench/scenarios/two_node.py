@@ -180,7 +180,7 @@ class TwoNodeRun:
         and what its DRAM loses it recomputes), or half of them (the pool modes: a node serves half the turns, and
         what it evicts is in the pool), with a quarter to spare."""
         w, c = self.plan.workload, max(self.plan.opts.concurrency)
-        chunks = -(-w.max_prompt_tokens() // self.plan.opts.store.chunk_tokens) + 1
+        chunks = -(-w.max_prompt_tokens() // self.pop.chunk_tokens) + 1
         share = 1.0 if mode == "local-only" else 0.5
         dram = int(1.25 * share * len(w.levels[c]) * chunks * (self.pop.chunk_bytes + 8192)) + (32 << 20)
         return replace(self.pop.sizing, dram_bytes=dram, io_cpus=node_placement(node, 2).host_cpus)
@@ -197,8 +197,9 @@ class TwoNodeRun:
                 pooled = MODE[mode].pool
                 remote = c.remote_section(e, "kvprefetch:", POOL_RETRY_S, POOL_TIMEOUT_S, POOL_DB) if pooled else None
                 kvt = node_transfer_config(mode, self._sizing(mode, e), pool, remote=remote, disk_dir=disk)
-                spec = self.plan.engine_spec(kvt, cgroup=None).model_copy(
-                    update={"netns": c.node_ns(e), "topology": node_placement(e, 2)})
+                spec = self.plan.engine_spec(kvt, cgroup=None)
+                spec = spec.model_copy(update={"process": P.ProcessSpec(netns=c.node_ns(e),
+                                                                         topology=node_placement(e, 2))})
                 nodes.pools.append(pool)
                 if disk is not None:
                     nodes.disks.append(disk)
