@@ -12,8 +12,8 @@ from kvprefetch.bench import engine_memory_report, plotting
 from kvprefetch.bench.agent_report import agent_lines, has_leases, lease_plot
 from kvprefetch.bench.modes import known_failure
 from kvprefetch.bench.rounds import UNSTEADY_RATIO, find_row, paired, unsteady
+from kvprefetch.bench.scenarios import SCENARIOS
 from kvprefetch.bench.stats import ratio
-from kvprefetch.bench.two_node_report import markdown_lines as two_node_lines
 from kvprefetch.bench.two_node_report import plots as two_node_plots
 from kvprefetch.results import Paired, Row, Topology, View
 
@@ -442,7 +442,7 @@ def markdown_report(results: dict) -> str:
         _rank_lines(rows),
         _against_baselines_lines(results, _comparisons(rows)),
         agent_lines(results) if agent else [],
-        two_node_lines(results),
+        *(scenario.report(results) for scenario in SCENARIOS.values()),  # each scenario's own section
         _simulator_lines(results),
         _missing_lines(rows),
         _notes_lines(results.get("notes")),
