@@ -77,22 +77,24 @@ MAKER = textwrap.dedent("""
     fab = Fabric().__enter__()
     a, b = fab.ns("pool"), fab.ns("node-a")
     fab.link(a, b, rate_bps=10_000_000)
-    print(a, b, flush=True)
+    front = fab.link_host(b)
+    print(a, b, front.a.dev, flush=True)
     import time; time.sleep(60)
 """)
 
 
 def test_sweep_removes_what_a_killed_process_left_and_nothing_a_live_one_holds():
     maker = subprocess.Popen([sys.executable, "-c", MAKER], stdout=subprocess.PIPE, text=True)
-    left = maker.stdout.readline().split()
+    *left, host_end = maker.stdout.readline().split()
     maker.send_signal(signal.SIGKILL)
     maker.wait()
     with Fabric() as mine:
         live = mine.ns("pool")
         assert set(left) <= set(netns.namespaces())
         swept = netns.sweep()
-        assert set(left) <= set(swept) and live not in swept
+        assert set(left) | {host_end} <= set(swept) and live not in swept
         assert not set(left) & set(netns.namespaces()) and live in netns.namespaces()
+        assert host_end not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
 
 
 def test_bad_roles_are_refused_before_anything_is_made():
@@ -149,3 +151,25 @@ def test_a_redis_in_the_pool_namespace_is_reached_by_a_node_over_its_link_only(t
                 redis.Redis.from_url(server.url, socket_connect_timeout=1).ping()  # not on this machine's loopback
         finally:
             server.kill()
+
+
+def test_a_node_s_front_port_is_reached_from_the_machine_and_goes_with_its_namespace():
+    """`link_host`: a client (or a router) on the machine reaches a server in a node's namespace at the link's node
+    end; the other nodes' links stay inside their namespaces; closing the fabric removes the host's end too."""
+    with Fabric() as fab:
+        pool, node = fab.ns("pool"), fab.ns("node-a")
+        storage = fab.link(pool, node)
+        front = fab.link_host(node)
+        server = subprocess.Popen(fab.exec_argv(node, [sys.executable, "-c", SERVER, "0.0.0.0", "1000"]),
+                                  stdout=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert server.stdout.readline().strip() == "ready"
+            got = subprocess.run([sys.executable, "-c", CLIENT, front.b.ip, "5"], capture_output=True, text=True,
+                                 timeout=60)  # fmt: skip
+            assert got.stdout.split()[0] == "1000", got.stderr
+            assert _fetch(fab, pool, storage.b.ip)[0] == 1000  # the pool reaches it over the storage link
+            assert front.a.dev in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        finally:
+            server.kill()
+            server.wait()
+    assert front.a.dev not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout

@@ -50,6 +50,14 @@ def namespaces() -> list[str]:
     return [line.split()[0] for line in _run("ip", "netns", "list").splitlines() if line.strip()]
 
 
+HOST = ""  # an `End.ns` on the machine's own network namespace (where the bench's client and a router run)
+
+
+def _in(ns: str, *argv: str) -> list[str]:
+    """argv run in namespace ns, or on the machine's own (`HOST`)."""
+    return list(argv) if ns == HOST else ["ip", "netns", "exec", ns, *argv]
+
+
 @dataclass(frozen=True)
 class End:
     ns: str
@@ -105,26 +113,32 @@ class Fabric:
             raise ValueError("a fabric has at most 250 links")
         a = End(a_ns, f"k{self.tag}x{n}a", f"{SUBNET}.{n}.1")
         b = End(b_ns, f"k{self.tag}x{n}b", f"{SUBNET}.{n}.2")
-        _run("ip", "link", "add", a.dev, "netns", a.ns, "type", "veth", "peer", "name", b.dev, "netns", b.ns)
+        a_where = [] if a.ns == HOST else ["netns", a.ns]
+        _run("ip", "link", "add", a.dev, *a_where, "type", "veth", "peer", "name", b.dev, "netns", b.ns)
         link = Link(a, b, rate_bps)
         self.links.append(link)
         for end in (a, b):
-            _run("ip", "-n", end.ns, "addr", "add", f"{end.ip}/30", "dev", end.dev)
-            _run("ip", "-n", end.ns, "link", "set", end.dev, "up")
+            _run(*_in(end.ns, "ip", "addr", "add", f"{end.ip}/30", "dev", end.dev))
+            _run(*_in(end.ns, "ip", "link", "set", end.dev, "up"))
         if rate_bps is not None:
             self.shape(link, rate_bps)
         return link
 
+    def link_host(self, ns: str, rate_bps: int | None = None) -> Link:
+        """Join one of this fabric's namespaces to the machine's own (`HOST`, end a): a node's front-end port, which
+        a client or a router on the machine reaches at `link.b.ip`. Deleting the namespace deletes both ends."""
+        return self.link(HOST, ns, rate_bps)
+
     def shape(self, link: Link, rate_bps: int) -> None:
         """(Re)shape both ends' egress to rate_bps."""
         for end in (link.a, link.b):
-            _run("ip", "netns", "exec", end.ns, "tc", "qdisc", "replace", "dev", end.dev, "root", "tbf", "rate",
-                 f"{rate_bps}bit", "burst", str(burst_bytes(rate_bps)), "latency", "200ms")  # fmt: skip
+            _run(*_in(end.ns, "tc", "qdisc", "replace", "dev", end.dev, "root", "tbf", "rate", f"{rate_bps}bit",
+                      "burst", str(burst_bytes(rate_bps)), "latency", "200ms"))  # fmt: skip
 
     def set_up(self, link: Link, up: bool) -> None:
         """Take a link down (both ends: nothing crosses it) or bring it back up."""
         for end in (link.a, link.b):
-            _run("ip", "-n", end.ns, "link", "set", end.dev, "up" if up else "down")
+            _run(*_in(end.ns, "ip", "link", "set", end.dev, "up" if up else "down"))
 
     @staticmethod
     def exec_argv(ns: str, argv: list[str]) -> list[str]:
@@ -132,7 +146,12 @@ class Fabric:
         return ["ip", "netns", "exec", ns, *argv]
 
     def close(self) -> None:
-        """Remove every namespace this fabric made (their links and qdiscs go with them); idempotent."""
+        """Remove every namespace this fabric made (their links and qdiscs go with them) and its links' ends on the
+        machine (the kernel frees a deleted namespace's devices later, in the background); idempotent."""
+        for link in self.links:
+            if link.a.ns == HOST:
+                with contextlib.suppress(RuntimeError):
+                    _run("ip", "link", "del", link.a.dev)
         for name in reversed(self.made):
             _kill_inside(name)
             with contextlib.suppress(RuntimeError):
@@ -165,9 +184,19 @@ def _kill_inside(ns: str) -> None:
                 os.kill(int(pid), 9)
 
 
+_HOST_END = re.compile(r"^\d+: (k([0-9a-f]+)x\d+a)[@:]")
+
+
 def sweep() -> list[str]:
-    """Remove the namespaces of fabrics whose process is gone; the names removed."""
+    """Remove the namespaces of fabrics whose process is gone, and their links' ends on the machine; the names
+    removed."""
     gone = []
+    for line in _run("ip", "-o", "link", "show").splitlines():
+        m = _HOST_END.match(line)
+        if m is not None and not pid_alive(int(m.group(2), 16)):
+            with contextlib.suppress(RuntimeError):
+                _run("ip", "link", "del", m.group(1))
+                gone.append(m.group(1))
     for name in namespaces():
         m = _NS.match(name)
         if m is None or pid_alive(int(m.group(1), 16)):
