@@ -173,3 +173,36 @@ def test_a_node_s_front_port_is_reached_from_the_machine_and_goes_with_its_names
             server.kill()
             server.wait()
     assert front.a.dev not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+
+
+HEALTH = textwrap.dedent("""
+    import http.server, sys
+    host, port = sys.argv[sys.argv.index("--host") + 1], int(sys.argv[sys.argv.index("--port") + 1])
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+    http.server.HTTPServer((host, port), H).serve_forever()
+""")
+
+
+def test_a_server_in_a_node_namespace_is_waited_for_and_stopped_at_its_front_address(tmp_path):
+    """`OpenAIServer(netns=..., reach=...)` (what `kvprefetch serve` on a node runs as): started in the node's
+    namespace, ready once its /health answers at the node's front address, stopped by SIGTERM to its own pid."""
+    from kvprefetch.testbed.server import OpenAIServer, free_port
+
+    with Fabric() as fab:
+        node = fab.ns("node-a")
+        front = fab.link_host(node)
+        server = OpenAIServer([sys.executable, "-c", HEALTH], tmp_path / "server.log", free_port(), netns=node,
+                              reach=front.b.ip)  # fmt: skip
+        try:
+            server.wait_ready(timeout=60)
+            assert server.url == f"http://{front.b.ip}:{server.port}"
+            inside = subprocess.run(["ip", "netns", "pids", node], capture_output=True, text=True).stdout.split()
+            assert str(server.proc.pid) in inside  # `ip netns exec` became the server: signals reach it
+        finally:
+            server.stop(timeout=30)
+        assert server.proc.poll() is not None

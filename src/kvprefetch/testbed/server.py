@@ -108,16 +108,20 @@ class OpenAIServer:
         port: int,
         env: dict[str, str] | None = None,
         new_session: bool = False,
+        netns: str | None = None,
+        reach: str = "127.0.0.1",
     ):
         """`new_session`: the server leads a process group of its own (to be signalled as a whole, as systemd or a
-        container runtime stops a service)."""
+        container runtime stops a service). `netns`: it runs in that network namespace (a node's), listening on
+        its every address, and is reached at `reach` (the node's front-end address, `netns.Fabric.link_host`)."""
         self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{reach}:{port}"
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115  (closed in stop())
         full_env = dict(os.environ) | {"PYTHONUNBUFFERED": "1"} | (env or {})
+        where = ["ip", "netns", "exec", netns] if netns else []  # it execs the server: the pid is the server's
         self.proc = subprocess.Popen(
-            [*argv, "--host", "127.0.0.1", "--port", str(port)],
+            [*where, *argv, "--host", "0.0.0.0" if netns else "127.0.0.1", "--port", str(port)],
             stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=new_session,
         )  # fmt: skip
 
