@@ -12,10 +12,13 @@ import json
 from dataclasses import dataclass, fields, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from pydantic import Field
 from rich.console import Console
+
+from kvprefetch.results import Row, View
 
 if TYPE_CHECKING:
     from kvprefetch.bench.options import BenchOptions, EngineOptions, KvAsk, ScenarioOptions, TwoNodeOptions
@@ -703,12 +706,39 @@ def _row_line(row: dict) -> str:
     """One cell's round as the live display prints it."""
     from kvprefetch.bench.report import TABLE_COLUMNS, row_cells
 
-    if row.get("status") != "ok":
-        return f"  {row['mode']:<13} c={row['concurrency']:<3} {row.get('status')}: {row.get('reason')}"
+    r = CellShown.model_validate(row)
+    if r.status != "ok":
+        return f"  {r.mode:<13} c={r.concurrency:<3} {r.status}: {r.reason}"
     cell = dict(zip((h for _, h, _ in TABLE_COLUMNS), row_cells(row), strict=True))
-    return (f"  {row['mode']:<15} c={row['concurrency']:<3} round {row.get('round', 0) + 1}: TTFT p50 "
-            f"{cell['TTFT p50 s']} s, p90 {cell['p90 s']} s, {cell['out tok/s']} out tok/s, hit {cell['hit']}, "
-            f"disk {cell['disk']}, errors {row.get('errors')}, other CPU {cell['other CPU']}")  # fmt: skip
+    ttft, p90, tok_s, hit, disk, other = (cell[h] for h in ("TTFT p50 s", "p90 s", "out tok/s", "hit", "disk",
+                                                            "other CPU"))  # fmt: skip
+    return (f"  {r.mode:<15} c={r.concurrency:<3} round {r.round + 1}: TTFT p50 {ttft} s, p90 {p90} s, {tok_s} out "
+            f"tok/s, hit {hit}, disk {disk}, errors {r.errors}, other CPU {other}")  # fmt: skip
+
+
+class CellShown(Row):
+    """What the live display and the summary read of a cell (a round's row, or the rounds' aggregate)."""
+
+    round: int = 0
+    errors: int | None = None
+
+
+class RegimeShown(View):
+    asked: Any = None
+    measured: float | None = None
+
+
+class WorkloadShown(View):
+    name: str | None = None
+
+
+class _Shown(View):
+    """What the terminal's summary reads of results.json."""
+
+    regime: RegimeShown = RegimeShown()
+    workload: WorkloadShown = WorkloadShown()
+    rows: list[CellShown] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
 
 
 def _print_results(results: dict) -> None:
@@ -717,29 +747,30 @@ def _print_results(results: dict) -> None:
     from kvprefetch.bench.modes import known_failure
     from kvprefetch.bench.report import regimes_of, rich_table, trace_reuse_lines
 
-    reg = results["regime"]
-    title = f"kvprefetch bench: {results['workload']['name']}, regime asked {reg.get('asked')}"
-    if reg.get("measured"):
-        title += f", measured R = {reg['measured']:.1f}"
+    shown = _Shown.model_validate(results)
+    reg, name, raw = shown.regime, shown.workload.name, results.get("rows", [])
+    title = f"kvprefetch bench: {name}, regime asked {reg.asked}"
+    if reg.measured:
+        title += f", measured R = {reg.measured:.1f}"
     wide = console if console.is_terminal and console.width >= 200 else Console(width=max(console.width, 210))
-    regimes = regimes_of(results["rows"])
-    sizes = list(dict.fromkeys(r.get("engine_kv_bytes") for r in results["rows"]))
+    regimes = regimes_of(raw)
+    sizes = list(dict.fromkeys(r.engine_kv_bytes for r in shown.rows))
     for g in regimes:
-        head = title if g == regimes[0] else f"kvprefetch bench: {results['workload']['name']}, sweep: regime {g}"
+        head = title if g == regimes[0] else f"kvprefetch bench: {name}, sweep: regime {g}"
         for size in sizes:
-            rows = [r for r in results["rows"] if r.get("regime") == g and r.get("engine_kv_bytes") == size]
-            share = next((r.get("engine_kv_share") for r in rows), None)
-            wide.print(rich_table(rows, title=head + (f", engine KV {share:g} ({size / 2**20:,.0f} MiB)"
-                                                      if len(sizes) > 1 and size and share else "")))  # fmt: skip
+            picked = [i for i, r in enumerate(shown.rows) if r.regime == g and r.engine_kv_bytes == size]
+            share = next((shown.rows[i].engine_kv_share for i in picked), None)
+            wide.print(rich_table([raw[i] for i in picked], title=head + (
+                f", engine KV {share:g} ({size / 2**20:,.0f} MiB)" if len(sizes) > 1 and size and share else "")))
     for line in engine_memory_report.terminal_lines(results):
         console.print(line, markup=False, highlight=False)
-    for r in results["rows"]:
-        if r.get("status") != "ok":
-            console.print(f"[yellow]{r['mode']} @ {r['concurrency']}: {r.get('status')}: {r.get('reason')}[/yellow]")
-            if why := known_failure(r["mode"], r.get("reason")):
+    for r in shown.rows:
+        if r.status != "ok":
+            console.print(f"[yellow]{r.mode} @ {r.concurrency}: {r.status}: {r.reason}[/yellow]")
+            if why := known_failure(r.mode, r.reason):
                 console.print(f"  known: {why}")
     for line in trace_reuse_lines(results):
         if line:
             console.print(line, markup=False)
-    for n in results.get("notes", []):
+    for n in shown.notes:
         console.print(f"[yellow]note:[/yellow] {n.splitlines()[0]}")
