@@ -12,7 +12,9 @@ the node that holds it. What the router needs to see that, found on loopback:
 - `--kv-event-block-size` equal to the engines' block size (128 tokens on vLLM's CPU build): the router hashes a
   block's `token_ids` chained through `parent_block_hash`, so another size indexes nothing that matches;
 - a replay endpoint per worker (`--kv-event-replay-source`): a gap in a worker's sequence numbers heals only by a
-  replay; without one the router's index of that worker stays short of what the worker holds;
+  replay; without one the router's index of that worker stays short of what the worker holds. A router started
+  after a worker published does not ask for what came before the first batch it hears (0.1.17: one started after
+  eight sessions' first turns sent 4 of 8 second turns home, 5 placement misses): start it before the load;
 - its metrics on `--prometheus-port` (its own /metrics on the serving port proxies a worker's).
 """
 
