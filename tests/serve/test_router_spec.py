@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvprefetch.testbed.router import KvEventsPorts, RouterSpec, RouterWorker, VllmRouter, router_executable
+from kvprefetch.testbed.router import (
+    KvEventsPorts,
+    Penalties,
+    RouterSpec,
+    RouterWorker,
+    VllmRouter,
+    router_executable,
+)
 
 
 def _after(argv: list[str], flag: str) -> list[str]:
@@ -15,7 +22,7 @@ def _after(argv: list[str], flag: str) -> list[str]:
 def test_a_kv_aware_spec_names_each_workers_event_and_replay_sources():
     ev = [KvEventsPorts(5001, 5002), KvEventsPorts(6001, 6002)]
     spec = RouterSpec((RouterWorker("http://a:1", ev[0]), RouterWorker("http://b:2", ev[1])), "kv_aware",
-                      model="tiny", penalty_host=0, penalty_disk=0.5, port=7, prometheus_port=8)  # fmt: skip
+                      model="tiny", penalties=Penalties(host=0, disk=0.5), port=7, prometheus_port=8)  # fmt: skip
     argv = spec.argv()
     assert argv[argv.index("--worker-urls") + 1 : argv.index("--worker-urls") + 3] == ["http://a:1", "http://b:2"]
     assert _after(argv, "--kv-event-source") == ["http://a:1=tcp://127.0.0.1:5001", "http://b:2=tcp://127.0.0.1:6001"]

@@ -96,26 +96,50 @@ class RouterWorker:
 
 
 @dataclass(frozen=True)
+class Penalties:
+    """How much of a block's prefill a hit in each tier is credited (`--kv-penalty-*`); None: the router's default
+    (host 0.8, external 0.6, disk 0.3)."""
+
+    host: float | None = None
+    disk: float | None = None
+    external: float | None = None
+
+    def argv(self) -> list[str]:
+        given = (("host", self.host), ("disk", self.disk), ("external", self.external))
+        return [arg for flag, value in given if value is not None for arg in (f"--kv-penalty-{flag}", str(value))]
+
+
+@dataclass(frozen=True)
+class HealthChecks:
+    """How the router checks its workers. Every second, and a second (not the default 30) between start-up checks:
+    a test's router is up as soon as its workers are, and takes a dead one out within seconds."""
+
+    interval_s: int = 1
+    failure_threshold: int = 3
+    success_threshold: int = 1
+    startup_check_interval_s: int = 1
+    startup_timeout_s: int = 120
+
+    def argv(self) -> list[str]:
+        return ["--health-check-interval-secs", str(self.interval_s),
+                "--health-failure-threshold", str(self.failure_threshold),
+                "--health-success-threshold", str(self.success_threshold),
+                "--worker-startup-check-interval", str(self.startup_check_interval_s),
+                "--worker-startup-timeout-secs", str(self.startup_timeout_s)]  # fmt: skip
+
+
+@dataclass(frozen=True)
 class RouterSpec:
-    """A vllm-router's command line, typed. Ports 0: `VllmRouter` picks free ones. Penalties None: the router's
-    defaults (host 0.8, external 0.6, disk 0.3: the share of a block's prefill a hit in that tier is credited)."""
+    """A vllm-router's command line, typed. Ports 0: `VllmRouter` picks free ones."""
 
     workers: tuple[RouterWorker, ...]
     policy: Policy = "kv_aware"
     block_size: int = 128  # the engines' (vLLM's CPU build: 128)
     model: str | None = None  # --kv-event-model: the workers' shared model identity
-    penalty_host: float | None = None
-    penalty_disk: float | None = None
-    penalty_external: float | None = None
+    penalties: Penalties = Penalties()
     port: int = 0
     prometheus_port: int = 0
-    # Checks a worker's health every second, and waits a second (not the default 30) between start-up checks:
-    # a test's router is up as soon as its workers are.
-    health_check_interval_s: int = 1
-    health_failure_threshold: int = 3
-    health_success_threshold: int = 1
-    startup_check_interval_s: int = 1
-    startup_timeout_s: int = 120
+    health: HealthChecks = HealthChecks()
     log_level: str = "info"
     extra_args: tuple[str, ...] = field(default=())
 
@@ -127,12 +151,7 @@ class RouterSpec:
         argv = ["--host", "127.0.0.1", "--port", str(self.port), "--policy", self.policy,
                 "--worker-urls", *(w.url for w in self.workers),
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port),
-                "--health-check-interval-secs", str(self.health_check_interval_s),
-                "--health-failure-threshold", str(self.health_failure_threshold),
-                "--health-success-threshold", str(self.health_success_threshold),
-                "--worker-startup-check-interval", str(self.startup_check_interval_s),
-                "--worker-startup-timeout-secs", str(self.startup_timeout_s),
-                "--log-level", self.log_level]  # fmt: skip
+                *self.health.argv(), "--log-level", self.log_level]  # fmt: skip
         if self.policy == "kv_aware":
             argv += ["--kv-event-block-size", str(self.block_size)]
             for w in self.workers:
@@ -141,10 +160,7 @@ class RouterSpec:
                              "--kv-event-replay-source", f"{w.url}={w.events.replay_source}"]  # fmt: skip
             if self.model is not None:
                 argv += ["--kv-event-model", self.model]
-            for flag, value in (("host", self.penalty_host), ("disk", self.penalty_disk),
-                                ("external", self.penalty_external)):  # fmt: skip
-                if value is not None:
-                    argv += [f"--kv-penalty-{flag}", str(value)]
+            argv += self.penalties.argv()
         return argv + list(self.extra_args)
 
 
