@@ -474,12 +474,12 @@ def _scenario(a: BenchArgs) -> ScenarioOptions:
     """The scenario asked, with its own options."""
     from kvprefetch.bench.options import SingleOptions, TwoInstanceOptions
 
+    engine_kv = tuple(_engine_kv(a))  # refused outside the single scenario
     if a.two_node:
         return _two_node(a)
     if a.two_instance:
-        _engine_kv(a)  # refused there
         return TwoInstanceOptions()
-    return SingleOptions(engine_kv=tuple(_engine_kv(a)))
+    return SingleOptions(engine_kv=engine_kv)
 
 
 def parse_engine_kv(text: str) -> list[KvAsk]:
@@ -520,7 +520,6 @@ def _two_node(a: BenchArgs) -> TwoNodeOptions:
     """The two-node scenario's options."""
     from kvprefetch.bench.options import TwoNodeOptions
 
-    _engine_kv(a)  # refused there
     if a.workload.workload == Workload.agent or a.trace.trace is not None:
         raise typer.BadParameter("the two-node scenario runs the context and chat workloads")
     from kvprefetch.testbed.netns import available

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvprefetch.bench.modes import MODES, StoreSizing, availability
 from kvprefetch.bench.options import BenchOptions, KvAsk
+from kvprefetch.modes import SIMULATED as BENCH_MODES
 from kvprefetch.testbed.protocol import EngineSpec, Placement, ProcessSpec
 from kvprefetch.testbed.server import TINY_MODEL
 from kvprefetch.testbed.topology import Topology, plan_topology
@@ -231,6 +232,12 @@ class BenchPlan:
 
     def mode_estimate(self, mode: str, tps: float, rounds: int) -> float:
         return rounds * sum(self.cell_estimate(mode, c, tps) for c in self.opts.concurrency)
+
+    def stage_seconds(self, modes: tuple[str, ...], engines: int, rounds: int) -> float:
+        """A scenario's seconds for the progress bar: per mode, its `engines` engines' starts, its cells over
+        `rounds` rounds, and its engine's calibration where the run calibrates it."""
+        return sum(25 * engines + (CALIBRATE_EST_S if m in BENCH_MODES and self.calibrates else 0.0)
+                   + self.mode_estimate(m, EST_PREFILL_TPS, rounds) for m in modes)  # fmt: skip
 
     def populate_seconds(self) -> float:
         """Phase 1's seconds for the progress bar (each scenario adds its own: `Stage.seconds`)."""

@@ -98,8 +98,8 @@ def populate(plan: BenchPlan, files: RunFiles, throttle, why: str, start: Callab
         counters: P.CountersReply = eng.call(P.Counters())
         placement = eng.call(P.Placements())
         geometry: P.GeometryReply = eng.call(P.Geometry())
-        chunk = Chunk(geometry.chunk_tokens or o.store.chunk_tokens, 0)
-        chunk = chunk._replace(nbytes=int(geometry.chunk_bytes or chunk.tokens * plan.model.bytes_per_token))
+        tokens = geometry.chunk_tokens or o.store.chunk_tokens
+        chunk = Chunk(tokens, int(geometry.chunk_bytes or tokens * plan.model.bytes_per_token))
         regime, sizing = measure_regime(plan, eng, throttle, why, cal, tps, chunk)
         sweep, sweep_info, skipped = probe_sweep(plan, eng, throttle, tps, chunk, regime, sizing)
         say("populated", 20)

@@ -114,7 +114,6 @@ class Bench:
             throttle, why = make_throttle(self.files.work, f"kvb-{self.files.run_id}")
         lab = Lab(plan, self.files, self.progress, self.on_row, self.log, throttle)
         lab.progress.plan(plan.populate_seconds() + sum(s.seconds for s in self.stages))
-        pop: Populated | None = None
         try:
             pop = populate(plan, self.files, throttle, why, lab.start, lab.progress.update, lab.log)
             lab.notes += pop.notes

@@ -120,8 +120,10 @@ async def _drive(url: str, sessions: list[HttpSession], concurrency: int, timeou
                 inflight[task] = (i, k, arrival)
             wait = schedule.next_event_s()
             pause = 0.05 if wait is None else min(0.05, max(0.0, wait - (time.monotonic() - t0)))
-            done, _ = await asyncio.wait(list(inflight), timeout=pause) if inflight else (set(), None)
-            if not inflight:
+            if inflight:
+                done, _ = await asyncio.wait(list(inflight), timeout=pause)
+            else:
+                done = set()
                 await asyncio.sleep(pause)
             for task in done:
                 i, k, arrival = inflight.pop(task)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from kvprefetch.testbed.server import free_port, parse_metrics
+from kvprefetch.testbed.server import answers, free_port, log_tail, parse_metrics
 
 Policy = Literal["random", "round_robin", "cache_aware", "kv_aware", "power_of_two", "consistent_hash",
                  "sticky_least_loaded"]  # fmt: skip
@@ -201,16 +201,10 @@ class VllmRouter:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vllm-router exited ({self.proc.returncode}); log tail:\n{self.tail()}")
-            if self._answers(self.url + "/readiness") and self._answers(self.metrics_url):
+            if answers(self.url + "/readiness") and answers(self.metrics_url):
                 return self
             time.sleep(0.3)
         raise TimeoutError(f"vllm-router not ready in {timeout:.0f} s; log tail:\n{self.tail()}")
-
-    @staticmethod
-    def _answers(url: str) -> bool:
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-        return False
 
     def metrics_text(self) -> str:
         with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
@@ -221,12 +215,7 @@ class VllmRouter:
         return parse_metrics(self.metrics_text())
 
     def tail(self, n: int = 60) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        try:
-            return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-n:])
-        except OSError:
-            return ""
+        return log_tail(self._log, self.log_path, n)
 
     def stop(self, timeout: float = 15) -> int:
         """SIGTERM to its process group (the router drains and exits), SIGKILL past `timeout`. Idempotent."""

@@ -27,7 +27,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 TINY_MODEL = Path(__file__).parent / "models" / "tiny-llama"
 # vLLM arguments for the tiny model: random weights, CPU-friendly dtype, no graph capture.
@@ -130,9 +130,8 @@ class OpenAIServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM server exited ({self.proc.returncode}); log tail:\n{self.tail()}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
+            if answers(self.url + "/health"):
+                return
             time.sleep(0.5)
         raise TimeoutError(f"vLLM server not ready in {timeout:.0f} s; log: {self.log_path}")
 
@@ -145,11 +144,7 @@ class OpenAIServer:
         return parse_metrics(self.metrics_text())
 
     def tail(self, n: int = 60) -> str:
-        self._log.flush()
-        try:
-            return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-n:])
-        except OSError:
-            return ""
+        return log_tail(self._log, self.log_path, n)
 
     def terminate(self) -> None:
         """SIGTERM, as an operator (or Kubernetes) stops a server; `stop` waits for the exit."""
@@ -167,6 +162,23 @@ class OpenAIServer:
                 self.proc.wait()
         self._log.close()
         return int(self.proc.returncode)
+
+
+def answers(url: str) -> bool:
+    """The URL answers 200 now (a server's readiness probe; an unreachable one is a no, not an error)."""
+    with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as r:
+        return r.status == 200
+    return False
+
+
+def log_tail(log: IO[str], path: Path, n: int = 60) -> str:
+    """The last `n` lines of a process's log (what this process wrote to it flushed first); "" if unreadable."""
+    if not log.closed:
+        log.flush()
+    try:
+        return "".join(path.read_text(errors="replace").splitlines(True)[-n:])
+    except OSError:
+        return ""
 
 
 def parse_metrics(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -31,7 +31,7 @@ from kvprefetch.bench.modes import (
     lmcache_env,
     remote_section,
 )
-from kvprefetch.bench.plan import CALIBRATE_EST_S, EST_PREFILL_TPS, BenchPlan, EngineSize
+from kvprefetch.bench.plan import CALIBRATE_EST_S, BenchPlan, EngineSize
 from kvprefetch.bench.populate import Populated, RunFiles, remove_pool, seed_remote
 from kvprefetch.bench.regime import stream_bps
 from kvprefetch.bench.scenarios.base import Scenario, Sections, Stage
@@ -39,6 +39,7 @@ from kvprefetch.modes import MODE
 from kvprefetch.modes import SIMULATED as BENCH_MODES
 from kvprefetch.testbed import protocol as P
 from kvprefetch.testbed.client import EngineError, EngineProcess
+from kvprefetch.tiers.disk import link_tree
 
 WARM_TTL_S = 30.0  # the warm mode's ttl_s (the API's default)
 
@@ -88,9 +89,7 @@ class Single(Scenario):
         modes = tuple(m for m in plan.running if m not in TWO_INSTANCE_MODES)
         o, engines = plan.opts, len(plan.sizes)
         rounds = o.repeats * (1 + len(o.sweep)) * engines
-        seconds = sum(25 * engines + (CALIBRATE_EST_S if m in BENCH_MODES and plan.calibrates else 0.0)
-                      + plan.mode_estimate(m, EST_PREFILL_TPS, rounds) for m in modes)  # fmt: skip
-        return Stage(self.kind, modes, seconds)
+        return Stage(self.kind, modes, plan.stage_seconds(modes, engines, rounds))
 
     def run(self, lab: Lab, population: Populated, stage: Stage) -> Sections:
         return {"mode_calibrations": SingleRun(lab, population).run(stage.modes)}
@@ -158,7 +157,7 @@ class SingleRun:
         me = opened[name] = ModeEngine(mode, size, name, None, files.pool(slug), files.work / f"disk-{slug}")
         sizing = dram_sizing(plan, self.pop) if mode == "dram" else self.pop.sizing
         if mode in CONNECTOR_MODES:
-            clone_tree(files.populated, me.disk)
+            link_tree(files.populated, me.disk)
         else:
             me.disk.mkdir(parents=True, exist_ok=True)
         remote = None
@@ -291,13 +290,6 @@ class SingleRun:
         folder = Path(out) / "steps"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"{tag}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
-
-
-def clone_tree(src: Path, dst: Path) -> int:
-    """A disk tier directory's chunks, hard-linked into another (`kvprefetch.tiers.disk.link_tree`)."""
-    from kvprefetch.tiers.disk import link_tree
-
-    return link_tree(src, dst)
 
 
 def dram_sizing(plan: BenchPlan, pop: Populated) -> StoreSizing:

@@ -11,12 +11,12 @@ from dataclasses import replace
 
 from kvprefetch.bench.lab import Lab
 from kvprefetch.bench.modes import TWO_INSTANCE_MODES, kv_transfer_config, route_turn, two_instance_caches
-from kvprefetch.bench.plan import CALIBRATE_EST_S, EST_PREFILL_TPS, BenchPlan
+from kvprefetch.bench.plan import BenchPlan
 from kvprefetch.bench.populate import Populated, remove_pool
 from kvprefetch.bench.scenarios.base import Scenario, Sections, Stage
-from kvprefetch.modes import SIMULATED as BENCH_MODES
 from kvprefetch.testbed.alternating import drive_alternating, session_plan
 from kvprefetch.testbed.client import EngineError, EngineProcess
+from kvprefetch.tiers.disk import link_tree
 
 ENGINES = 2
 
@@ -31,9 +31,7 @@ class TwoInstance(Scenario):
         modes = tuple(m for m in plan.running if m in TWO_INSTANCE_MODES)
         if not modes:
             return None
-        seconds = sum(25 * ENGINES + (CALIBRATE_EST_S if m in BENCH_MODES and plan.calibrates else 0.0)
-                      + plan.mode_estimate(m, EST_PREFILL_TPS, 1) for m in modes)  # fmt: skip
-        return Stage(self.kind, modes, seconds)
+        return Stage(self.kind, modes, plan.stage_seconds(modes, ENGINES, 1))
 
     def run(self, lab: Lab, population: Populated, stage: Stage) -> Sections:
         for mode in stage.modes:
@@ -50,7 +48,7 @@ def run_mode(lab: Lab, pop: Populated, mode: str) -> None:
     try:
         try:
             for d in dict.fromkeys(d for d, _ in caches):
-                _clone_tree(files.populated, d)
+                link_tree(files.populated, d)
             # the same DRAM on the node either way: one pool as large as the private pools together
             shared = len(set(caches)) == 1
             sizing = replace(pop.sizing, dram_bytes=pop.sizing.dram_bytes * len(caches)) if shared else pop.sizing
@@ -79,9 +77,3 @@ def _cell(lab: Lab, mode: str, engines: list[EngineProcess], c: int) -> tuple[di
                             route=lambda i, k: route_turn(k, len(engines)))  # fmt: skip
     per_engine = [sum(1 for r in res["records"] if r.get("engine") == e) for e in range(len(engines))]
     return res, {"engines": len(engines), "requests_per_engine": per_engine}
-
-
-def _clone_tree(src, dst) -> int:
-    from kvprefetch.tiers.disk import link_tree
-
-    return link_tree(src, dst)

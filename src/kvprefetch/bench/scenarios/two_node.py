@@ -36,7 +36,7 @@ from typing import Any
 from kvprefetch.bench.lab import START_FAILURES, Lab
 from kvprefetch.bench.modes import StoreSizing, node_transfer_config, route
 from kvprefetch.bench.options import TwoNodeOptions
-from kvprefetch.bench.plan import EST_PREFILL_TPS, BenchPlan
+from kvprefetch.bench.plan import BenchPlan
 from kvprefetch.bench.populate import Populated, remove_pool, seed_remote
 from kvprefetch.bench.scenarios.base import Scenario, Sections, Stage
 from kvprefetch.bench.two_node import link_rate
@@ -82,8 +82,8 @@ class TwoNode(Scenario):
         """Every running mode, on two engines each, every round."""
         if plan.opts.scenario.kind != self.kind:
             return None
-        seconds = sum(25 * 2 + plan.mode_estimate(m, EST_PREFILL_TPS, plan.opts.repeats) for m in plan.running)
-        return Stage(self.kind, tuple(plan.running), seconds)
+        modes = tuple(plan.running)  # (a two-node run calibrates no engine: `plan_bench`)
+        return Stage(self.kind, modes, plan.stage_seconds(modes, 2, plan.opts.repeats))
 
     def run(self, lab: Lab, population: Populated, stage: Stage) -> Sections:
         opts = lab.plan.opts.scenario
