@@ -30,6 +30,8 @@ class Mode:
     nodes: a mode of the two-node scenario only (two engines, each in a network namespace of its own);
     `recompute` runs there too. pool: its nodes' tier below DRAM is the shared pool, over the node's link.
     pinned: each session stays on one node (a cache-aware router); else turn k is served by node k mod 2.
+    cluster: a mode of the cluster-serve scenario only (two `kvprefetch serve` nodes behind vllm-router; how each
+    routes: `kvprefetch.bench.scenarios.cluster_serve.ROUTING`); `recompute` runs there too.
     """
 
     name: str
@@ -48,6 +50,7 @@ class Mode:
     nodes: bool = False
     pool: bool = False
     pinned: bool = False
+    cluster: bool = False
 
 
 _ALL = (
@@ -89,6 +92,22 @@ _ALL = (
          connector=True, prefetch=True, load_mode="auto", nodes=True, pool=True),
     Mode("same-node", "pool-prefetch with each conversation pinned to one node (what a cache-aware router "
          "achieves)", connector=True, prefetch=True, load_mode="auto", nodes=True, pool=True, pinned=True),
+    # the cluster-serve scenario (`kvprefetch bench --scenario cluster-serve`): vllm-router in front of two
+    # `kvprefetch serve` nodes (prefetch on, DRAM + disk each, the shared pool below), the client behind it
+    Mode("round-robin", "vllm-router --policy round_robin in front of two kvprefetch nodes", connector=True,
+         prefetch=True, load_mode="auto", cluster=True),
+    Mode("cache-aware", "vllm-router --policy cache_aware (its own guess of each node's prefixes, no events)",
+         connector=True, prefetch=True, load_mode="auto", cluster=True),
+    Mode("kv-gpu", "vllm-router --policy kv_aware fed only vLLM's own GPU block events (the nodes' tier_events "
+         "off): what an event-fed router sees without kvprefetch", connector=True, prefetch=True, load_mode="auto",
+         cluster=True),
+    Mode("kv-tiers", "vllm-router --policy kv_aware fed every tier's events (GPU, kvprefetch's DRAM as CPU, disk "
+         "and pool as STORAGE)", connector=True, prefetch=True, load_mode="auto", cluster=True),
+    Mode("kv-tiers-lease", "kv-tiers on nodes that lease each finished request's chunks in their DRAM for 30 s "
+         "(keep_warm_s)", connector=True, prefetch=True, load_mode="auto", keep_warm_s=30.0, cluster=True),
+    Mode("pinned", "every session's turns sent to one node by the client (session i on node i mod 2): the "
+         "perfect sticky router, the bound", connector=True, prefetch=True, load_mode="auto", pinned=True,
+         cluster=True),
 )  # fmt: skip
 
 MODE: dict[str, Mode] = {m.name: m for m in _ALL}

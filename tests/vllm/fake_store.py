@@ -87,3 +87,9 @@ class FakeStore:
 
     def residency(self, keys: Sequence[bytes]) -> list[frozenset[str]]:
         return [frozenset({self.tiers[k]}) if k in self.tiers else frozenset() for k in keys]
+
+    def drop_local(self) -> int:
+        dropped = [k for k in self.tiers if k not in self.pins]
+        for k in dropped:
+            del self.tiers[k]
+        return len(dropped)

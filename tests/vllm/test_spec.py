@@ -117,3 +117,19 @@ def test_a_chunk_no_request_can_fill_is_refused_at_construction(tmp_path, chunk_
     assert all(w in str(err.value) for w in words), str(err.value)
     fits, _ = vllm_configs(tmp_path, "unused", chunk_tokens=4096)  # the longest request is one whole chunk
     assert connector_spec(fits, KVConnectorRole.SCHEDULER, kv_cache_config).chunk_tokens == 4096
+
+
+@pytest.mark.parametrize(("published", "tier_events", "announced"),
+                         [(True, True, True), (True, False, False), (False, True, False)])  # fmt: skip
+def test_the_tiers_join_vllms_kv_events_only_when_vllm_publishes_and_tier_events_is_on(
+    tmp_path, published, tier_events, announced
+):
+    """`tier_events: false` leaves vLLM's stream to its own GPU blocks (what a router fed by engine events alone
+    sees: the cluster-serve bench's kv-gpu mode)."""
+    from kvprefetch.vllm.compat import KVConnectorRole
+    from kvprefetch.vllm.spec import connector_spec
+
+    vllm_config, kv_cache_config = vllm_configs(tmp_path, "unused")
+    vllm_config.kv_transfer_config.kv_connector_extra_config["tier_events"] = tier_events
+    vllm_config.kv_events_config = SimpleNamespace(enable_kv_cache_events=published)
+    assert connector_spec(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config).kv_events is announced

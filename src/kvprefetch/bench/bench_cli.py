@@ -21,7 +21,14 @@ from rich.console import Console
 from kvprefetch.results import Row, View
 
 if TYPE_CHECKING:
-    from kvprefetch.bench.options import BenchOptions, EngineOptions, KvAsk, ScenarioOptions, TwoNodeOptions
+    from kvprefetch.bench.options import (
+        BenchOptions,
+        ClusterServeOptions,
+        EngineOptions,
+        KvAsk,
+        ScenarioOptions,
+        TwoNodeOptions,
+    )
     from kvprefetch.workload.agent import AgentBench
     from kvprefetch.workload.replay import ChatBench, TraceBench
 
@@ -43,6 +50,7 @@ class Scenario(StrEnum):
     single = "single"
     two_instance = "two-instance"
     two_node = "two-node"
+    cluster_serve = "cluster-serve"
 
 
 class RemoteBackend(StrEnum):
@@ -245,7 +253,12 @@ ScenarioOpt = Annotated[
         "namespaces of their own, each with its own DRAM tier, reading a shared pool (Redis) over a link "
         "shaped to the whitepaper's node's rate scaled to this engine; turns alternate nodes; modes "
         "recompute, local-only, pool-sync, pool-prefetch, same-node (-m picks among them); --faults after the "
-        "rounds; the chat workload's prelude holds only each conversation's first message there too."
+        "rounds; the chat workload's prelude holds only each conversation's first message there too; "
+        "'cluster-serve' (root): two `kvprefetch serve` nodes in namespaces over shaped links to a shared pool, "
+        "vllm-router in front, the client sending OpenAI requests to the router only; modes recompute, "
+        "round-robin, cache-aware, kv-gpu, kv-tiers, kv-tiers-lease, pinned (-m picks among them); the chat "
+        "(default: every turn inside the run) and agent workloads; --kv-cache sizes each node's engine KV; "
+        "--node-loss after the rounds."
     ),
 ]
 FaultsOpt = Annotated[
@@ -258,6 +271,20 @@ FaultsOpt = Annotated[
 ]
 NodeDiskOpt = Annotated[
     bool, typer.Option(help="The two-node scenario: a local disk tier on each node (default: diskless nodes).")
+]
+NodeLossOpt = Annotated[
+    bool,
+    typer.Option(
+        help="The cluster-serve scenario: after the rounds, kv-tiers at the highest level while one node's server "
+        "is SIGKILLed and started again 15 s later (requests failed, wrong, routed back)."
+    ),
+]
+PoolOpt = Annotated[
+    bool,
+    typer.Option(
+        help="The cluster-serve scenario: the nodes share a pool (Redis, over each node's shaped link); --no-pool: "
+        "each node has its own DRAM and disk tiers only, so a turn served away from its KV recomputes it."
+    ),
 ]
 RemoteBackendOpt = Annotated[
     RemoteBackend, typer.Option(help="Server of the prefetch-remote mode (-m prefetch-remote): redis or mooncake.")
@@ -336,6 +363,12 @@ class TwoNodeArgs:
 
 
 @dataclass(frozen=True)
+class ClusterArgs:
+    node_loss: bool = True
+    pool: bool = True
+
+
+@dataclass(frozen=True)
 class BenchArgs:
     """The command's options as typed (`bench`'s parameters, one for one, grouped by what they shape)."""
 
@@ -345,6 +378,7 @@ class BenchArgs:
     engine: EngineStoreArgs = EngineStoreArgs()
     files: FileArgs = FileArgs()
     two_node_args: TwoNodeArgs = TwoNodeArgs()
+    cluster: ClusterArgs = ClusterArgs()
 
     @classmethod
     def of(cls, **params) -> BenchArgs:
@@ -367,14 +401,19 @@ class BenchArgs:
         return self.run.scenario == Scenario.two_node
 
     @property
+    def cluster_serve(self) -> bool:
+        return self.run.scenario == Scenario.cluster_serve
+
+    @property
     def turns_asked(self) -> int | None:
         """--turns, or 4 for the two-instance and two-node scenarios' chat (each engine serves every other turn)."""
-        two = self.two_instance or (self.two_node and self.workload.workload == Workload.chat)
+        two = self.two_instance or ((self.two_node or self.cluster_serve) and self.workload.workload == Workload.chat)
         turns = self.workload.turns
         return turns if turns is not None or not two else 4
 
 
-_GROUP_TYPES = {t.__name__: t for t in (RunArgs, WorkloadArgs, TraceArgs, EngineStoreArgs, FileArgs, TwoNodeArgs)}
+_GROUP_TYPES = {t.__name__: t for t in (RunArgs, WorkloadArgs, TraceArgs, EngineStoreArgs, FileArgs, TwoNodeArgs,
+                                        ClusterArgs)}
 
 
 def bench(
@@ -417,10 +456,12 @@ def bench(
     remote_backend: RemoteBackendOpt = RemoteBackend.redis,
     faults: FaultsOpt = "link,pool",
     node_disk: NodeDiskOpt = False,
+    node_loss: NodeLossOpt = True,
+    pool: PoolOpt = True,
 ) -> None:
     """The main benchmark: TTFT and throughput of tiered prefetch vs recompute, on-demand loads, all-in-DRAM and
     vLLM's own connector, on real vLLM engines, over a concurrency sweep, in a declared storage regime."""
-    workload = workload or (Workload.chat if engine_kv else Workload.context)
+    workload = workload or (Workload.chat if engine_kv or scenario == Scenario.cluster_serve else Workload.context)
     args = BenchArgs.of(**locals())
     run_and_report(bench_options(args))
 
@@ -434,7 +475,7 @@ def bench_options(a: BenchArgs) -> BenchOptions:
     from kvprefetch.bench.options import BenchOptions, FileOptions, StoreOptions, WorkloadOptions
 
     r, f = a.run, a.files
-    regimes = _regimes(r.regime) if not a.two_node else (None,)  # there the link is the regime
+    regimes = _regimes(r.regime) if not (a.two_node or a.cluster_serve) else (None,)  # there the link is the regime
     agent = _agent(a)
     chat, chat_preset = _chat(a)
     modes, concurrency = _modes_and_levels(a, agent)
@@ -477,6 +518,8 @@ def _scenario(a: BenchArgs) -> ScenarioOptions:
     engine_kv = tuple(_engine_kv(a))  # refused outside the single scenario
     if a.two_node:
         return _two_node(a)
+    if a.cluster_serve:
+        return _cluster_serve(a)
     if a.two_instance:
         return TwoInstanceOptions()
     return SingleOptions(engine_kv=engine_kv)
@@ -536,9 +579,28 @@ def _two_node(a: BenchArgs) -> TwoNodeOptions:
         raise typer.BadParameter(str(err)) from None
 
 
+def _cluster_serve(a: BenchArgs) -> ClusterServeOptions:
+    """The cluster-serve scenario's options (the machine checked for what it needs first)."""
+    from kvprefetch.bench.modes import remote_available, router_available
+    from kvprefetch.bench.options import ClusterServeOptions
+    from kvprefetch.testbed.netns import available
+
+    if a.workload.workload == Workload.context or a.trace.trace is not None:
+        raise typer.BadParameter("the cluster-serve scenario runs the chat and agent workloads (sessions of turns)")
+    if (why := available()) is not None:
+        raise typer.BadParameter(f"the cluster-serve scenario makes network namespaces: {why}")
+    if not router_available():
+        raise typer.BadParameter("the cluster-serve scenario runs vllm-router: pip install 'kvprefetch[router]' "
+                                 "(make setup installs it)")  # fmt: skip
+    if not remote_available("redis"):
+        raise typer.BadParameter("the cluster-serve scenario's pool is redis-server: install it (apt redis-server)")
+    c = a.cluster
+    return ClusterServeOptions(node_loss=c.node_loss, pool=c.pool, node_kv_bytes=_size(a.engine.kv_cache))
+
+
 def _asked_modes(a: BenchArgs) -> list[str]:
     """-m's modes (repeated or comma lists), each checked; the two-instance scenario adds its two."""
-    from kvprefetch.bench.modes import MODES, NODE_MODES, TWO_INSTANCE_MODES, TWO_NODE_MODES
+    from kvprefetch.bench.modes import CLUSTER_MODES, MODES, NODE_MODES, TWO_INSTANCE_MODES, TWO_NODE_MODES
 
     modes = [m.strip() for item in (a.run.mode or []) for m in item.split(",") if m.strip()]
     for m in modes:
@@ -548,8 +610,15 @@ def _asked_modes(a: BenchArgs) -> list[str]:
         if bad := [m for m in modes if m not in TWO_NODE_MODES]:
             raise typer.BadParameter(f"the two-node scenario runs {', '.join(TWO_NODE_MODES)}, not {', '.join(bad)}")
         return modes or list(TWO_NODE_MODES)
+    if a.cluster_serve:
+        if bad := [m for m in modes if m not in CLUSTER_MODES]:
+            raise typer.BadParameter(f"the cluster-serve scenario runs {', '.join(CLUSTER_MODES)}, "
+                                     f"not {', '.join(bad)}")
+        return modes or list(CLUSTER_MODES)
     if nodes := [m for m in modes if m in NODE_MODES]:
         raise typer.BadParameter(f"{', '.join(nodes)}: modes of --scenario two-node")
+    if cluster := [m for m in modes if m in CLUSTER_MODES and m != "recompute"]:
+        raise typer.BadParameter(f"{', '.join(cluster)}: modes of --scenario cluster-serve")
     if a.two_instance:
         modes = [m for m in modes if m not in TWO_INSTANCE_MODES] + list(TWO_INSTANCE_MODES)
     return modes
@@ -568,7 +637,9 @@ def _modes_and_levels(a: BenchArgs, agent: AgentBench | None) -> tuple[list[str]
     if r.quick and not asked:  # an engine start and two cells each: the full run compares with them
         modes = [m for m in modes if m not in PEER_MODES]
     levels = plan.QUICK_CONCURRENCY if r.quick else DEFAULT_CONCURRENCY
-    if agent is not None:
+    if a.cluster_serve:
+        levels = plan.CLUSTER_CONCURRENCY
+    elif agent is not None:
         levels = plan.AGENT_CONCURRENCY
     elif a.engine.engine_kv:
         levels = plan.ENGINE_MEMORY_CONCURRENCY
@@ -620,7 +691,11 @@ def _chat(a: BenchArgs) -> tuple[ChatBench, bool]:
     kw = {k: v for k, v in sizes.items() if v is not None}
     if w.no_reuse:
         kw["reuse"] = False
-    if a.two_instance or two_node_chat:
+    if a.cluster_serve and is_chat:
+        # every turn of a conversation inside the run, the first included: the cluster starts each cell empty,
+        # and a session's prefix is what its own turns computed on whichever node served them
+        kw["prelude_turns"] = 0
+    elif a.two_instance or two_node_chat:
         # the prelude holds each conversation's first message only: every later turn's prefix was computed
         # by the turn before it, on the other engine (a hit only where the cache is shared)
         kw["prelude_turns"] = 1

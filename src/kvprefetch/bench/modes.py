@@ -35,8 +35,10 @@ PEER_MODES = tuple(n for n, m in MODE.items() if m.peer)  # other projects' conn
 REMOTE_MODES = tuple(n for n, m in MODE.items() if m.remote)
 NODE_MODES = tuple(n for n, m in MODE.items() if m.nodes)  # the two-node scenario's own (recompute runs there too)
 TWO_NODE_MODES = ("recompute", *NODE_MODES)  # the two-node scenario's modes, in its order
+CLUSTER_MODES = ("recompute", *(n for n, m in MODE.items() if m.cluster))  # the cluster-serve scenario's, in order
 
-CONNECTOR_MODES = tuple(n for n, m in MODE.items() if m.connector and not (m.two_instance or m.remote or m.nodes))
+CONNECTOR_MODES = tuple(n for n, m in MODE.items()
+                        if m.connector and not (m.two_instance or m.remote or m.nodes or m.cluster))
 SYNC_MODES = tuple(n for n, m in MODE.items() if m.load_mode == "sync")  # loads inside the engine step
 SERIAL_READS = tuple(n for n, m in MODE.items() if m.serial)  # one read in flight: io.threads = 1
 
@@ -47,6 +49,16 @@ def connector_has_setting(name: str) -> bool:
     except Exception:
         return False
     return name in _CONNECTOR_KEYS
+
+
+def router_available() -> bool:
+    from kvprefetch.testbed.router import router_executable
+
+    try:
+        router_executable()
+    except RuntimeError:
+        return False
+    return True
 
 
 def remote_available(backend: str) -> bool:
@@ -96,11 +108,15 @@ def availability(mode: str, cuda: bool, remote_backend: str = "redis") -> tuple[
         return False, "the connector has no load_mode setting yet (synchronous loads)"
     if (mode in REMOTE_MODES or MODE[mode].pool) and not remote_available(remote_backend):
         return False, f"the {remote_backend} server is not installed"
-    if MODE[mode].nodes:
+    if MODE[mode].nodes or MODE[mode].cluster:
         from kvprefetch.testbed.netns import available
 
         if (why := available()) is not None:
             return False, why
+    if MODE[mode].cluster and not router_available():
+        return False, "vllm-router is not installed (make setup installs the router extra)"
+    if MODE[mode].cluster and not remote_available("redis"):
+        return False, "the cluster's pool runs redis-server, which is not installed"
     if mode == "lmcache":
         if not cuda:
             return False, "LMCache's connector needs CUDA"

@@ -79,7 +79,22 @@ class TwoNodeOptions:
             raise ValueError(f"unknown fault(s) {', '.join(bad)}: choose from {', '.join(FAULTS)}")
 
 
-ScenarioOptions = SingleOptions | TwoInstanceOptions | TwoNodeOptions
+@dataclass(frozen=True)
+class ClusterServeOptions:
+    """Two `kvprefetch serve` nodes behind vllm-router (`kvprefetch.bench.scenarios.cluster_serve`): whether the
+    node-loss run follows the rounds (kv-tiers at the highest level, one node SIGKILLed and restarted
+    `restart_after_s` later), whether the nodes share a pool (False: each its own DRAM and disk only, so a turn
+    served away from its KV recomputes it), and the nodes' engine KV (None: room for two of the longest requests,
+    so that a node's live sessions outgrow it and their KV is in the node's tiers when their next turns come)."""
+
+    kind: Literal["cluster-serve"] = "cluster-serve"
+    node_loss: bool = True
+    pool: bool = True
+    restart_after_s: float = 15.0
+    node_kv_bytes: int | None = None
+
+
+ScenarioOptions = SingleOptions | TwoInstanceOptions | TwoNodeOptions | ClusterServeOptions
 
 
 # ---- the parts ---------------------------------------------------------------------------------------------------

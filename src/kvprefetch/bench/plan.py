@@ -27,6 +27,7 @@ PACKAGED_MODEL = TINY_MODEL  # (the testbed ships it: `kvprefetch serve kvprefet
 QUICK_CONCURRENCY = [2, 8]
 AGENT_MODES = ["recompute", "ondemand-sync", "prefetch", "lease", "warm", "dram"]
 AGENT_CONCURRENCY = [1, 8]
+CLUSTER_CONCURRENCY = [8, 16]  # the cluster-serve scenario's: both nodes loaded, more sessions than a node's KV holds
 ENGINE_MEMORY_MODES = ["recompute", "prefetch", "dram"]  # --engine-kv: vLLM alone, kvprefetch, all-in-DRAM
 ENGINE_MEMORY_CONCURRENCY = [8]  # --engine-kv: one level (an engine per mode and size, each run 3 times)
 AGENT_DRAM_HEADS = 5
@@ -296,7 +297,7 @@ def plan_bench(opts: BenchOptions) -> BenchPlan:
         avail={m: availability(m, cuda, opts.store.remote_backend) for m in modes},
         # the simulator does not model the agent workload (leases, warm-ups, no engine prefix cache), nor a
         # sweep of engine sizes (`kvprefetch sim --scenario engine-memory` projects that on its own)
-        calibrates=opts.calibrate_modes and opts.workload.agent is None and opts.scenario.kind != "two-node"
-        and not opts.engine_kv,
+        calibrates=opts.calibrate_modes and opts.workload.agent is None and not opts.engine_kv
+        and opts.scenario.kind in ("single", "two-instance"),
         engine_sizes=engine_sizes(opts.engine_kv, kv_cache_bytes, model.bytes_per_token, max_model_len),
     )

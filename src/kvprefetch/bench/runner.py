@@ -208,7 +208,7 @@ def simulator_prediction(results: dict) -> list[dict]:
             return []
         if results["workload"].get("kind") == "agent":  # not modelled: leases, warm-ups, tool gaps
             return []
-        if "two_node" in results:  # two nodes and a link: `kvprefetch sim --scenario cluster` projects those
+        if "two_node" in results or "cluster_serve" in results:  # nodes and links: `kvprefetch sim --scenario cluster`
             return []
         if results["config"].get("engine_kv_sizes"):  # engine sizes: `kvprefetch sim --scenario engine-memory`
             return []

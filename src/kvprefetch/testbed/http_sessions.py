@@ -8,7 +8,10 @@ arrival order, at most `concurrency` at once, turn k+1 `think_s` after turn k fi
 what `kvprefetch.bench.stats.cell_metrics` reads of an engine's (times in seconds since t0 on this process's
 monotonic clock): its due time (`arrival`), its first streamed token, its end, its prompt and answer tokens, the
 prompt tokens the server found cached (its `usage.prompt_tokens_details`, with `--enable-prompt-tokens-details`),
-and its error, if any.
+its answer's text (a run compares answers across modes by it: a request with vLLM's ``return_token_ids`` is not
+routed on KV by vllm-router 0.1.17, so the client does not ask for ids), the node that served it (the
+``x-kvprefetch-node`` header its server adds, `kvprefetch.testbed.node_header`; None without one), and its error,
+if any.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvprefetch.testbed.node_header import HEADER as NODE_HEADER
 from kvprefetch.testbed.sessions import SessionSchedule
 
 TIMEOUT_S = 300.0  # one request's
@@ -46,18 +51,30 @@ def sessions_of(level: list[Any]) -> list[HttpSession]:
             for s in level]  # fmt: skip
 
 
-def body(model: str, tokens: list[int], max_tokens: int) -> dict[str, Any]:
-    """A greedy streamed completion of `max_tokens` tokens whatever the model says (ignore_eos), with its usage."""
+def body(model: str, tokens: list[int], max_tokens: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A greedy streamed completion of `max_tokens` tokens whatever the model says (ignore_eos), with its usage;
+    `extra`: more fields (a request's ``kv_transfer_params``)."""
     return {"model": model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            "stream": True, "stream_options": {"include_usage": True}} | (extra or {})
 
 
-async def send_turn(client: Any, url: str, model: str, turn: HttpTurn, t0: float) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Target:
+    """Where a turn goes and what its request carries besides the prompt."""
+
+    url: str
+    model: str = "tiny"
+    extra: dict[str, Any] | None = None
+
+
+async def send_turn(client: Any, target: Target, turn: HttpTurn, t0: float) -> dict[str, Any]:
     """One streamed request (an httpx.AsyncClient); its record (times since t0), an error recorded, not raised."""
-    rec: dict[str, Any] = {"prompt_tokens": len(turn.tokens), "output_tokens": 0, "first_token": None}
+    rec: dict[str, Any] = {"prompt_tokens": len(turn.tokens), "output_tokens": 0, "first_token": None,
+                           "output_text": "", "node": None}  # fmt: skip
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body(model, turn.tokens, turn.max_tokens),
-                                 timeout=TIMEOUT_S) as r:  # fmt: skip
+        async with client.stream("POST", f"{target.url}/v1/completions", timeout=TIMEOUT_S,
+                                 json=body(target.model, turn.tokens, turn.max_tokens, target.extra)) as r:  # fmt: skip
+            rec["node"] = r.headers.get(NODE_HEADER)
             if r.status_code != 200:
                 await r.aread()
                 return rec | {"error": f"HTTP {r.status_code}: {r.text[:200]}", "finish": time.monotonic() - t0}
@@ -78,9 +95,11 @@ def _event(line: str, t0: float, rec: dict[str, Any]) -> dict[str, Any]:
         return {"error": str(event["error"])[:300]}
     out: dict[str, Any] = {}
     for choice in event.get("choices") or []:
-        if choice.get("text") and rec.get("first_token") is None:
+        text = choice.get("text")
+        if text and rec.get("first_token") is None:
             out["first_token"] = time.monotonic() - t0
-        out["output_tokens"] = rec.get("output_tokens", 0) + (1 if choice.get("text") is not None else 0)
+        out["output_text"] = rec.get("output_text", "") + (text or "")
+        out["output_tokens"] = rec.get("output_tokens", 0) + (1 if text is not None else 0)
         if choice.get("finish_reason"):
             out["finish_reason"] = choice["finish_reason"]
     if usage := event.get("usage"):
@@ -91,15 +110,19 @@ def _event(line: str, t0: float, rec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def drive_http(url: str, sessions: list[HttpSession], concurrency: int, timeout_s: float,
+Route = Callable[[int, int], Target]
+"""Session i's turn k -> where it goes (a router's URL for every turn, or a node's: a client that pins sessions)."""
+
+
+def drive_http(url: str | Route, sessions: list[HttpSession], concurrency: int, timeout_s: float,
                model: str = "tiny") -> dict[str, Any]:  # fmt: skip
-    """Every session's turns sent to `url` (see the module's docstring); what an engine's `run` returns: records,
-    wall_s, errors (a cell that timed out says so), and t0."""
-    return asyncio.run(_drive(url, sessions, concurrency, timeout_s, model))
+    """Every session's turns sent to `url` (or where `url(i, k)` says; see the module's docstring); what an
+    engine's `run` returns: records, wall_s, errors (a cell that timed out says so), and t0."""
+    route: Route = url if callable(url) else (lambda i, k, t=Target(url, model): t)
+    return asyncio.run(_drive(route, sessions, concurrency, timeout_s))
 
 
-async def _drive(url: str, sessions: list[HttpSession], concurrency: int, timeout_s: float,
-                 model: str) -> dict[str, Any]:  # fmt: skip
+async def _drive(route: Route, sessions: list[HttpSession], concurrency: int, timeout_s: float) -> dict[str, Any]:
     import httpx
 
     plan = [{"arrival_s": s.arrival_s, "turns": [{"think_s": t.think_s} for t in s.turns]} for s in sessions]
@@ -116,7 +139,7 @@ async def _drive(url: str, sessions: list[HttpSession], concurrency: int, timeou
                 break
             schedule.start_sessions(now)
             for arrival, i, k in schedule.pop_due(now):
-                task = asyncio.create_task(send_turn(client, url, model, sessions[i].turns[k], t0))
+                task = asyncio.create_task(send_turn(client, route(i, k), sessions[i].turns[k], t0))
                 inflight[task] = (i, k, arrival)
             wait = schedule.next_event_s()
             pause = 0.05 if wait is None else min(0.05, max(0.0, wait - (time.monotonic() - t0)))

@@ -9,6 +9,10 @@ the node that holds it. What the router needs to see that, found on loopback:
 
 - the prompt as token ids (`"prompt": [ids]` on /v1/completions): on a text prompt the router does not route on
   KV for HTTP workers (`vllm_router_kv_routing_inputs_total{result="preparation_rejected"}`);
+- neither ``return_token_ids`` (vLLM's field for the answer's ids) nor ``kv_transfer_params`` (a per-request lease)
+  in the request: with either, 0.1.17 counts the token ids as an input but looks nothing up in its index (no
+  `vllm_router_kv_placement_lookups_total`) and routes by load alone. Compare answers by their text; lease on the
+  nodes (``keep_warm_s`` in their config);
 - `--kv-event-block-size` equal to the engines' block size (128 tokens on vLLM's CPU build): the router hashes a
   block's `token_ids` chained through `parent_block_hash`, so another size indexes nothing that matches;
 - a replay endpoint per worker (`--kv-event-replay-source`): a gap in a worker's sequence numbers heals only by a
@@ -75,11 +79,17 @@ class KvEventsPorts:
 
 
 def serve_node_argv(
-    model: str, events: KvEventsPorts | None, sets: Mapping[str, Any] = {}, vllm_args: Sequence[str] = ()
+    model: str, events: KvEventsPorts | None, sets: Mapping[str, Any] = {}, vllm_args: Sequence[str] = (), *,
+    extra: Mapping[str, Any] | None = None, connector: bool = True,
 ) -> list[str]:
     """`kvprefetch serve MODEL` as a user runs it, publishing KV events (every tier's) on `events`' ports; `sets`
-    are its `--set KEY=VALUE` (dotted keys; values as JSON). Host and port are `OpenAIServer`'s to add."""
+    are its `--set KEY=VALUE` (dotted keys; values as JSON), `extra` its `--extra` JSON object; `connector` False:
+    `--no-connector` (vLLM alone). Host and port are `OpenAIServer`'s to add."""
     argv = [sys.executable, "-m", "kvprefetch.cli", "serve", model]
+    if not connector:
+        argv.append("--no-connector")
+    if extra is not None:
+        argv += ["--extra", json.dumps(dict(extra))]
     for key, value in sets.items():
         argv += ["--set", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
     if events is not None:

@@ -256,6 +256,20 @@ class KVPrefetchConnector(KVConnectorBase_V1):
         """(Scheduler side) End every lease now (unpinning what they hold); how many there were."""
         return self._sched.leases.close() if self._sched is not None else 0
 
+    def reset_cache(self) -> bool | None:
+        """vLLM's connector-cache reset (``POST /reset_prefix_cache?reset_external=true`` on a server in dev mode,
+        ``LLM.reset_prefix_cache(reset_connector=True)``, the cache-clearing cascade after a weight update): this
+        node's DRAM pool and disk tier emptied, the shared tier left (`SchedulerSide.reset`). False while requests
+        are in flight, as vLLM's own reset refuses then."""
+        if self._sched is None:
+            return None
+        dropped = self._sched.reset()
+        if dropped is None:
+            log.warning("kvprefetch: cache reset refused: requests are in flight")
+            return False
+        log.info("kvprefetch: cache reset: %d chunks dropped from this node's DRAM pool and disk tier", dropped)
+        return True
+
     def wait_for_prefetches(self, timeout: float) -> bool:
         """(Scheduler side) Wait until every known request's reads into DRAM have finished; False on timeout."""
         return self._sched.wait_for_reads(timeout) if self._sched is not None else True

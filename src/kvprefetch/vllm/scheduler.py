@@ -868,6 +868,17 @@ class SchedulerSide:
                 st.load, st.parked_at, st.released = None, None, False
                 self.holds.set_phase(st, Phase.DONE)
 
+    def reset(self) -> int | None:
+        """vLLM's reset of the connector's cache (``POST /reset_prefix_cache?reset_external=true``; the cascade after
+        a weight update): every lease ended, then every chunk this node's DRAM pool and disk tier hold dropped
+        (`drop_local`: the shared tier is left, other nodes read it); how many. None, nothing done, while a request
+        is known here: its reads and saves would land in what was just cleared (vLLM resets only an idle engine
+        too)."""
+        if self.reqs:
+            return None
+        self.leases.close()
+        return self.store.drop_local()
+
     def wait_for_reads(self, timeout: float) -> bool:
         """Wait until every known request's reads into DRAM have finished (tests hold the engine with it, so
         that whether a prefetch lands before its request is reached is never a race); False on timeout."""

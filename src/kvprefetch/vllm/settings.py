@@ -52,6 +52,9 @@ Connector keys (besides the store's):
 * ``lease_budget_share``: the share of the DRAM tier leases may hold (default 0.25).
 * ``layerwise``: load layer by layer inside the forward pass (default true).
 * ``save``: save new whole chunks (default true).
+* ``tier_events``: publish the tiers' chunks (DRAM as ``CPU``, disk and the shared tier as ``STORAGE``) on vLLM's
+  KV-event stream when vLLM publishes one (default true); false: only vLLM's own GPU blocks, what a router fed by
+  engine events alone sees.
 * ``on_load_failure``: ``recompute`` (default: a failed chunk is a miss) or ``fail`` (vLLM's own policy).
 * ``model_id``, ``tenant``: chunk-key identity and tenant salt.
 * ``metrics_port``, ``metrics_dir``, ``log_interval_s``: Prometheus export and the one-line log summary.
@@ -135,6 +138,11 @@ class ConnectorSettings(BaseModel):
         le=0.5,
         description="Share of the DRAM tier that leases (lease on finish, warm-up calls) may hold at once; the "
         "oldest lease gives way when a new one needs room.",
+    )
+    tier_events: bool = Field(
+        default=True,
+        description="Publish the tiers' chunks (CPU, STORAGE) on vLLM's KV-event stream when vLLM publishes one "
+        "(--kv-events-config); false: only vLLM's own GPU blocks, as a router fed by engine events alone sees.",
     )
     on_load_failure: Literal["recompute", "fail"] = Field(
         default="recompute",

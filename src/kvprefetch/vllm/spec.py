@@ -43,7 +43,7 @@ class ConnectorSpec:
     namespace: KVNamespace
     keyer: ChunkKeyer
     engine_id: str | None  # vLLM's engine id: names the warm-up API's socket
-    kv_events: bool = False  # vLLM publishes KV events (--kv-events-config): the tiers' too (`events`)
+    kv_events: bool = False  # vLLM publishes KV events (--kv-events-config) and the tiers' go with them (`events`)
     spec_kind: str = "full_attention"  # the attention group's kind, as vLLM's KV events name it
     hash_algo: str = "sha256"  # vLLM's prefix-caching hash function (the KV events' hash space)
 
@@ -73,7 +73,8 @@ def connector_spec(vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any
     keyer = ChunkKeyer(namespace, chunk_tokens)
     events = getattr(vllm_config, "kv_events_config", None)
     return ConnectorSpec(settings, is_scheduler, tuple(layer_names), geo, rank, namespace, keyer,
-                         getattr(transfer, "engine_id", None), bool(events and events.enable_kv_cache_events),
+                         getattr(transfer, "engine_id", None),
+                         bool(events and events.enable_kv_cache_events and settings.tier_events),
                          _spec_kind(attention),
                          str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")))  # fmt: skip
 

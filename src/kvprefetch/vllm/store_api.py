@@ -92,6 +92,10 @@ class SchedulerStore(Protocol):
 
     def unpin(self, keys: Sequence[bytes]) -> None: ...
 
+    def drop_local(self) -> int:
+        """Remove what this node's DRAM pool and disk tier hold (pinned chunks stay; the shared tier is left)."""
+        ...
+
 
 @runtime_checkable
 class WorkerStore(Protocol):

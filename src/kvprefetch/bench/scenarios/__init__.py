@@ -9,6 +9,7 @@ scenario is a module here and its line below (and, if it has options of its own,
 from __future__ import annotations
 
 from kvprefetch.bench.scenarios.base import Scenario, Sections, Stage
+from kvprefetch.bench.scenarios.cluster_serve import ClusterServe
 from kvprefetch.bench.scenarios.single import Single
 from kvprefetch.bench.scenarios.two_instance import TwoInstance
 from kvprefetch.bench.scenarios.two_node import TwoNode
@@ -17,6 +18,7 @@ SCENARIOS: dict[str, Scenario] = {
     Single.kind: Single(),
     TwoInstance.kind: TwoInstance(),
     TwoNode.kind: TwoNode(),
+    ClusterServe.kind: ClusterServe(),
 }
 
 __all__ = ["SCENARIOS", "Scenario", "Sections", "Stage"]

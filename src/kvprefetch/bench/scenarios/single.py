@@ -84,7 +84,7 @@ class Single(Scenario):
 
     def plan(self, plan: BenchPlan) -> Stage | None:
         """Every running mode but the two-instance ones, at each engine size, in every regime and round."""
-        if plan.opts.scenario.kind == "two-node":
+        if plan.opts.scenario.kind not in ("single", "two-instance"):
             return None
         modes = tuple(m for m in plan.running if m not in TWO_INSTANCE_MODES)
         o, engines = plan.opts, len(plan.sizes)

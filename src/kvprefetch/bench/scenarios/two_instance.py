@@ -26,7 +26,7 @@ class TwoInstance(Scenario):
 
     def plan(self, plan: BenchPlan) -> Stage | None:
         """The two-instance modes the run asks for (a single run may ask for them too), one round each."""
-        if plan.opts.scenario.kind == "two-node":
+        if plan.opts.scenario.kind not in ("single", "two-instance"):
             return None
         modes = tuple(m for m in plan.running if m in TWO_INSTANCE_MODES)
         if not modes:
