@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -26,6 +27,9 @@ from kvprefetch.testbed.router import KvEventsPorts
 from kvprefetch.testbed.server import OpenAIServer, parse_metrics
 
 NODE_MIDDLEWARE = ("--middleware", "kvprefetch.testbed.node_header.NodeHeader")
+GROUP_EXIT_S = 15.0
+"""How long a stopped server's other processes get to exit on their own before they are SIGKILLed: one killed
+mid-exit leaves vLLM's shared-memory segments (``/dev/shm/psm_*``) behind."""
 
 
 @dataclass(frozen=True)
@@ -109,18 +113,71 @@ class NodeServer:
         return self.server.tail(n) if self.server is not None else ""
 
     def kill(self) -> None:
-        """SIGKILL to its whole process group: the node dies as a machine does, nothing drained."""
+        """SIGKILL to its whole process group: the node dies as a machine does, nothing drained. What a dead
+        machine loses with it goes too: vLLM's shared-memory segments its processes had mapped (`vllm_segments`),
+        which only their clean exit unlinks. The DRAM pool stays: it outlives its processes by design (the
+        restarted server attaches to it again)."""
         if self.server is None:
             return
+        pgid = self.server.proc.pid
+        segments = vllm_segments(_group_pids(pgid))
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.server.proc.pid, signal.SIGKILL)
+            os.killpg(pgid, signal.SIGKILL)
         self.server.proc.wait()
         self.server.stop(0)  # closes its log
+        for path in segments:
+            path.unlink(missing_ok=True)
 
     def stop(self, timeout: float = 60) -> None:
-        """SIGTERM (the connector drains), then whatever of its group outlived it SIGKILLed. Idempotent."""
+        """SIGTERM (the connector drains); the rest of its group (vLLM's engine core and worker, which unlink their
+        shared memory as they exit) given `GROUP_EXIT_S` to follow; whatever still outlives that SIGKILLed.
+        Idempotent."""
         if self.server is None:
             return
         self.server.stop(timeout)
+        pgid = self.server.proc.pid
+        deadline = time.monotonic() + GROUP_EXIT_S
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.server.proc.pid, signal.SIGKILL)
+            os.killpg(pgid, signal.SIGKILL)
+
+
+VLLM_SHM = ("psm_", "vllm_")  # /dev/shm names of vLLM's message queues (multiprocessing) and its own segments
+
+
+def vllm_segments(pids: list[int]) -> set[Path]:
+    """The /dev/shm segments of vLLM's that these processes map now."""
+    out: set[Path] = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+            if path.startswith("/dev/shm/") and Path(path).name.startswith(VLLM_SHM):
+                out.add(Path(path))
+    return out
+
+
+def _group_pids(pgid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == pgid:
+                    pids.append(int(entry))
+            except ProcessLookupError:
+                continue
+    return pids
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
