@@ -45,16 +45,22 @@ def own_socket_folder() -> str | None:
     return folder
 
 
+VLLM_SHM = ("/dev/shm/psm_", "/dev/shm/vllm_")
+"""vLLM's shared memory: its message queues (Python's `multiprocessing.shared_memory`, psm_*) and its own segments
+(vllm_*, e.g. the CPU build's tensor-parallel buffers)."""
+
+
 def shm_mapped_by_group(pgid: int) -> set[Path]:
-    """The shared-memory segments of Python's `multiprocessing.shared_memory` (/dev/shm/psm_*) that the processes
-    of a process group map: an engine's and its workers' vLLM message queues (~400 MB an engine), which only
-    the executor's shutdown unlinks, so a killed engine leaves them in RAM until the next reboot."""
+    """The shared-memory segments of vLLM's (`VLLM_SHM`) that the processes of a process group map: an engine's
+    and its workers' message queues (~400 MB an engine), which only the executor's shutdown unlinks, so a killed
+    engine leaves them in RAM until the next reboot. (Never the connector's DRAM pool: it outlives its processes
+    by design.)"""
     found: set[Path] = set()
     for proc in psutil.process_iter():
         try:
             if os.getpgid(proc.pid) != pgid:
                 continue
-            found |= {Path(m.path) for m in proc.memory_maps() if m.path.startswith("/dev/shm/psm_")}
+            found |= {Path(m.path) for m in proc.memory_maps() if m.path.startswith(VLLM_SHM)}
         except (psutil.Error, ProcessLookupError):
             continue  # gone meanwhile, or not ours to read
     return found

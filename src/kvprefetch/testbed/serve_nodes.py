@@ -22,6 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvprefetch.testbed.client import shm_mapped_by_group, unlink_all
 from kvprefetch.testbed.node_header import ENV as NODE_ENV
 from kvprefetch.testbed.router import KvEventsPorts
 from kvprefetch.testbed.server import OpenAIServer, parse_metrics
@@ -114,19 +115,18 @@ class NodeServer:
 
     def kill(self) -> None:
         """SIGKILL to its whole process group: the node dies as a machine does, nothing drained. What a dead
-        machine loses with it goes too: vLLM's shared-memory segments its processes had mapped (`vllm_segments`),
+        machine loses with it goes too: vLLM's shared-memory segments its processes had mapped (`shm_mapped_by_group`),
         which only their clean exit unlinks. The DRAM pool stays: it outlives its processes by design (the
         restarted server attaches to it again)."""
         if self.server is None:
             return
         pgid = self.server.proc.pid
-        segments = vllm_segments(_group_pids(pgid))
+        segments = shm_mapped_by_group(pgid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
         self.server.proc.wait()
         self.server.stop(0)  # closes its log
-        for path in segments:
-            path.unlink(missing_ok=True)
+        unlink_all(segments)
 
     def stop(self, timeout: float = 60) -> None:
         """SIGTERM (the connector drains); the rest of its group (vLLM's engine core and worker, which unlink their
@@ -141,36 +141,6 @@ class NodeServer:
             time.sleep(0.2)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
-
-
-VLLM_SHM = ("psm_", "vllm_")  # /dev/shm names of vLLM's message queues (multiprocessing) and its own segments
-
-
-def vllm_segments(pids: list[int]) -> set[Path]:
-    """The /dev/shm segments of vLLM's that these processes map now."""
-    out: set[Path] = set()
-    for pid in pids:
-        try:
-            maps = Path(f"/proc/{pid}/maps").read_text()
-        except OSError:
-            continue
-        for line in maps.splitlines():
-            path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-            if path.startswith("/dev/shm/") and Path(path).name.startswith(VLLM_SHM):
-                out.add(Path(path))
-    return out
-
-
-def _group_pids(pgid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getpgid(int(entry)) == pgid:
-                    pids.append(int(entry))
-            except ProcessLookupError:
-                continue
-    return pids
 
 
 def _group_alive(pgid: int) -> bool:
