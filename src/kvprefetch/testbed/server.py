@@ -49,10 +49,16 @@ def write_word_tokenizer(path: Path, vocab_size: int) -> None:
 
 def tiny_model_dir(dest: Path) -> Path:
     """The shipped tiny model with a word-level tokenizer, in `dest` (idempotent)."""
+    return with_word_tokenizer(TINY_MODEL, dest)
+
+
+def with_word_tokenizer(model: Path, dest: Path) -> Path:
+    """A model directory that has only its config (dummy weights), copied to `dest` with a word-level tokenizer
+    beside it, for an OpenAI server (which needs one); idempotent."""
     dest.mkdir(parents=True, exist_ok=True)
-    config = json.loads((TINY_MODEL / "config.json").read_text())
+    config = json.loads((model / "config.json").read_text())
     if not (dest / "config.json").exists() or json.loads((dest / "config.json").read_text()) != config:
-        shutil.copy(TINY_MODEL / "config.json", dest / "config.json")
+        shutil.copy(model / "config.json", dest / "config.json")
     if not (dest / "tokenizer.json").exists():
         write_word_tokenizer(dest, int(config["vocab_size"]))
     return dest

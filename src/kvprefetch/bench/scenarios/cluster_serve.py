@@ -30,7 +30,6 @@ Its section of results.json is `cluster_serve`; its rows are the lab's, with the
 from __future__ import annotations
 
 import contextlib
-import shutil
 import subprocess
 import threading
 import time
@@ -53,7 +52,7 @@ from kvprefetch.testbed.http_sessions import HttpSession, Route, Target, drive_h
 from kvprefetch.testbed.netns import Link
 from kvprefetch.testbed.router import KvEventsPorts, Policy, RouterSpec, RouterWorker, VllmRouter, serve_node_argv
 from kvprefetch.testbed.serve_nodes import NODE_MIDDLEWARE, NodeServer, NodeServerSpec
-from kvprefetch.testbed.server import free_port, parse_metrics, write_word_tokenizer
+from kvprefetch.testbed.server import free_port, parse_metrics, with_word_tokenizer
 
 SERVED_MODEL = "kvprefetch-bench"  # every node's --served-model-name, the router's --kv-event-model
 LEASE_S = 30.0  # kv-tiers-lease: its nodes' keep_warm_s
@@ -183,11 +182,7 @@ class ClusterRun:
         src = Path(self.plan.model.path)
         if not src.is_dir() or any(src.glob("tokenizer*")):
             return str(src)
-        dest = self.dir / "model"
-        dest.mkdir(parents=True, exist_ok=True)
-        shutil.copy(src / "config.json", dest / "config.json")
-        write_word_tokenizer(dest, int(self.plan.model.vocab_size))
-        return str(dest)
+        return str(with_word_tokenizer(src, self.dir / "model"))
 
     def _node_spec(self, group: str, e: int, model: str) -> NodeServerSpec:
         c = self.cluster
