@@ -58,7 +58,7 @@ class Stopped:
     disk: Path
     saved_chunks: float
     exit_code: int
-    seconds: float
+    seconds: float  # from the stop signals (sent to every server at once) until its main process exited
     left: list[str]  # processes of its group still alive after the main one exited (and a grace)
     log: Path
     api: dict[str, tuple[int, dict]]  # the warm-up API's answers, by call (one server's)
@@ -214,21 +214,26 @@ def stopped(tmp_path_factory) -> dict[str, Stopped]:
                     break
                 except OSError:
                     time.sleep(0.5)
-        results = {}
-        for way, (proc, port, pool, disk, log) in servers.items():
+        asked = {}
+        for way, (_proc, port, pool, _disk, _log) in servers.items():
             _complete(port, key=KEY if way == WAYS[0] else None)
             time.sleep(0.5)  # the worker reports its saves with the step after
             api = {WAYS[0]: _use_warm_api, WAYS[1]: _use_warm_api_with_images}.get(way, lambda _port: {})(port)
             saved = metric_sum(parse_metrics(_get(f"http://127.0.0.1:{port}/metrics").decode()),
                                "vllm:kvprefetch_saved_chunks_total")  # fmt: skip
             assert pool.exists(), f"{way}: the server's DRAM pool"
-            t0 = time.monotonic()
+            asked[way] = (saved, api)
+        t0 = time.monotonic()
+        for way, (proc, *_rest) in servers.items():  # stopped at once: each takes vLLM's shutdown grace periods
             _stop(way, proc)
+        results = {}
+        for way, (proc, _port, pool, disk, log) in servers.items():
             rc = proc.wait(timeout=120)
             seconds = time.monotonic() - t0
             end = time.monotonic() + LEFT_GRACE_S  # what the main process left behind has this long to go
             while _group(proc.pid) and time.monotonic() < end:
                 time.sleep(0.2)
+            saved, api = asked[way]
             results[way] = Stopped(way, pool, disk, saved, rc, seconds, _group(proc.pid), log, api)
         yield results
     finally:
