@@ -107,3 +107,27 @@ def test_redis_cluster_spreads_chunks_over_nodes(open_node, keyer, redis_cluster
     counts = [int(subprocess.run(["redis-cli", "-p", str(n.port), "dbsize"], capture_output=True, text=True)
                   .stdout.strip() or 0) for n in redis_cluster]  # fmt: skip
     assert sum(counts) == 8 and sum(1 for c in counts if c) >= 2, counts
+
+
+def test_redis_cluster_a_key_that_moved_is_followed(redis_cluster):
+    """The bulk path sends each key to the node the slot table names; when the table is stale the node answers
+    MOVED, and the key goes through redis-py's cluster client, which follows it and mends the table."""
+    from kvprefetch.tiers.remote.redis_backend import RedisBackend
+
+    backend = RedisBackend(f"redis://127.0.0.1:{redis_cluster[0].port}/0", True, 2.0, None, None, None, None)
+    try:
+        names = [f"moved:{i}" for i in range(8)]
+        backend.write_from(names, [memoryview(n.encode() * 100) for n in names])
+        nodes = backend.client.nodes_manager
+        for name in names[:4]:  # point these keys' slots at a node that does not serve them
+            slot = backend.client.keyslot(name)
+            owner = nodes.slots_cache[slot][0]
+            nodes.slots_cache[slot] = [n for n in backend.client.get_primaries() if n.name != owner.name][:1]
+        views = [memoryview(bytearray(len(n) * 100)) for n in names]
+        assert backend.read_into(names, views) == [len(n) * 100 for n in names]
+        assert [bytes(v) for v in views] == [n.encode() * 100 for n in names]
+        nodes.slots_cache[backend.client.keyslot(names[0])] = nodes.slots_cache[backend.client.keyslot(names[5])]
+        backend.write_from(names[:1], [memoryview(b"rewritten")])
+        assert backend.read_into(names[:1], views[:1]) == [9] and bytes(views[0][:9]) == b"rewritten"
+    finally:
+        backend.close()
