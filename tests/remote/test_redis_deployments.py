@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvprefetch.store import Tier
-from kvprefetch.testbed.local_servers import RedisServer, free_port, wait_port
+from kvprefetch.testbed.local_servers import RedisServer, free_port, tls_args, wait_port
+from kvprefetch.testbed.local_servers import tls_files as make_tls_files
 from tests.remote.conftest import remote_section
 from tests.store.conftest import chunk_payload
 
@@ -48,25 +49,13 @@ def test_auth_with_the_right_password_works_and_a_wrong_one_is_a_miss(open_node,
 def tls_files(tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("openssl not installed")
-    ca_key, ca, key, csr, cert = (tmp_path / n for n in ("ca.key", "ca.crt", "srv.key", "srv.csr", "srv.crt"))
-    run = lambda *a: subprocess.run(a, check=True, capture_output=True)  # noqa: E731
-    run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
-        "-keyout", str(ca_key), "-out", str(ca))  # fmt: skip
-    run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", str(key),
-        "-out", str(csr))  # fmt: skip
-    ext = tmp_path / "ext.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-    run("openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
-        "-days", "1", "-extfile", str(ext), "-out", str(cert))  # fmt: skip
-    return ca, cert, key
+    return make_tls_files(tmp_path)
 
 
 def test_tls(open_node, keyer, tmp_path, tls_files):
     ca, cert, key = tls_files
     tls_port = free_port()
-    tls = ["--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
-           "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"]  # fmt: skip
-    server = RedisServer(tmp_path, *tls)
+    server = RedisServer(tmp_path, *tls_args(tls_port, ca, cert, key))
     try:
         wait_port(tls_port)
         remote = remote_section("redis", redis_server=server)

@@ -14,8 +14,12 @@ kernel's transmit and delivery to the sender, so only the receiver's own work is
   client reading the 4 + digits bytes before the value apart. Any Redis client receives that framing, and it costs:
   the header shifts the value against the page the kernel copies it from, so its copy into a page-aligned slot is
   a misaligned one (on this machine's AMD EPYC, `rep movsb` then runs ~2.5x slower at 1 MiB);
-- `redis`: kvprefetch's Redis backend (`read_into` / `write_from` on the slots);
+- `redis`: kvprefetch's Redis backend (`read_into` / `write_from` on the slots), one value per call as the store
+  asks for them (`batch_size` 1), and `redis x8`: eight per call, pipelined on one connection;
 - `redis-py`: redis-py's own GET/SET and a copy into the slot, i.e. the backend before issue 63 (for comparison);
+- `redis TLS`, `redis-py TLS`: both over TLS to the same server (when openssl is installed to make a certificate):
+  TLS receives each record into OpenSSL's buffer and decrypts it there, then copies it out, so over TLS the
+  backend's path still saves redis-py's copies but not that one;
 - `mooncake`: kvprefetch's Mooncake backend, its values held by a client in another process.
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -176,17 +181,18 @@ def _floor_paths(peer: FloorPeer) -> dict[str, Path_]:
     return {FLOOR: {RECV: each(peer.recv_value), SEND: each(peer.send_value)}, FRAMED: {RECV: each(peer.recv_framed)}}
 
 
-def _backend_path(backend, names: list[str]) -> Path_:
-    """A RemoteBackend moving one value per call, as the store's I/O threads do (batch_size 1 for Redis)."""
+def _backend_path(backend, names: list[str], per_call: int = 1) -> Path_:
+    """A RemoteBackend moving `per_call` values per call (the store's I/O threads ask for `batch_size`)."""
 
     def recv(slots: list[memoryview]) -> None:
-        for name, slot in zip(names, slots, strict=True):
-            if backend.read_into([name], [slot]) != [len(slot)]:
-                raise RuntimeError(f"{backend.name}: {name} did not read back whole")
+        for i in range(0, len(slots), per_call):
+            views = slots[i : i + per_call]
+            if backend.read_into(names[i : i + per_call], views) != [len(v) for v in views]:
+                raise RuntimeError(f"{backend.name}: {names[i]}... did not read back whole")
 
     def send(slots: list[memoryview]) -> None:
-        for name, slot in zip(names, slots, strict=True):
-            backend.write_from([name], [slot])
+        for i in range(0, len(slots), per_call):
+            backend.write_from(names[i : i + per_call], slots[i : i + per_call])
 
     return {RECV: recv, SEND: send}
 
@@ -213,33 +219,52 @@ def _redis_py_path(client, names: list[str]) -> Path_:
 @contextlib.contextmanager
 def _servers(backends: list[str], workdir: Path, max_bytes: int) -> Iterator[dict]:
     """Start the floors' peer and each backend's server and client; yield them by path name."""
-    import redis
-
-    from kvprefetch.testbed.local_servers import RedisServer
-    from kvprefetch.tiers.remote.redis_backend import RedisBackend
-
     with contextlib.ExitStack() as stack:
         found: dict = {"peer": FloorPeer(max_bytes)}
         stack.callback(found["peer"].close)
         if "redis" in backends:
-            server = RedisServer(workdir)
-            stack.callback(server.kill)
-            found["redis"] = RedisBackend(server.url, False, 30.0, None, None, None, None)
-            stack.callback(found["redis"].close)
-            found["redis-py"] = redis.Redis.from_url(server.url)
-            stack.callback(found["redis-py"].close)
+            found |= _redis_clients(stack, workdir)
         if "mooncake" in backends:
             found["mooncake"] = stack.enter_context(_mooncake_holder(workdir, max_bytes))
         yield found
 
 
+def _redis_clients(stack: contextlib.ExitStack, workdir: Path) -> dict:
+    """One redis-server (also on a TLS port when openssl can make it a certificate); the backend and redis-py on
+    each of its ports, by path name."""
+    import redis
+
+    from kvprefetch.testbed.local_servers import RedisServer, free_port, tls_args, tls_files, wait_port
+    from kvprefetch.tiers.remote.redis_backend import RedisBackend
+
+    tls = None
+    if shutil.which("openssl"):
+        tls = (free_port(), *tls_files(workdir))
+    server = RedisServer(workdir, *(tls_args(*tls) if tls else ()))
+    stack.callback(server.kill)
+    urls = {"": (server.url, None)}
+    if tls:
+        wait_port(tls[0])
+        urls[" TLS"] = (f"rediss://127.0.0.1:{tls[0]}/0", str(tls[1]))
+    found: dict = {}
+    for suffix, (url, ca) in urls.items():
+        found["redis" + suffix] = RedisBackend(url, False, 30.0, None, None, None, ca)
+        found["redis-py" + suffix] = redis.Redis.from_url(url, **({"ssl_ca_certs": ca} if ca else {}))
+    for client in found.values():
+        stack.callback(client.close)
+    return found
+
+
 def _paths(servers: dict, sources: list[memoryview], names: list[str]) -> dict[str, Path_]:
     paths = _local_paths(sources) | _floor_paths(servers["peer"])
-    for name in ("redis", "mooncake"):
+    for name in ("redis", "redis TLS", "mooncake"):
         if name in servers:
             paths[name] = _backend_path(servers[name], names)
-    if "redis-py" in servers:
-        paths["redis-py"] = _redis_py_path(servers["redis-py"], names)
+    if "redis" in servers:
+        paths["redis x8"] = _backend_path(servers["redis"], names, per_call=8)
+    for name in ("redis-py", "redis-py TLS"):
+        if name in servers:
+            paths[name] = _redis_py_path(servers[name], names)
     return paths
 
 

@@ -70,7 +70,7 @@ def _cpu_table(rows: list, repeats: int) -> None:
     """One line per value size and path: receive and send side by side, each with its ratio to the floors."""
     from kvprefetch.bench.micro.remote_cpu import FLOOR, FRAMED, RECV, SEND
 
-    order = [FLOOR, FRAMED, "memcpy", "xxh3", "redis", "redis-py", "mooncake"]
+    order = [FLOOR, FRAMED, "memcpy", "xxh3", "redis", "redis x8", "redis-py", "redis TLS", "redis-py TLS", "mooncake"]
 
     table = Table(title=f"process CPU ms per MiB moved, one value per round trip, medians of {repeats} rounds "
                         "(x floor: over the plain socket loop; x framed: over it with RESP framing)")  # fmt: skip

@@ -18,6 +18,7 @@ import ssl
 
 _HEAD_BYTES = 4096  # a reply's header line and whatever came with it; the rest goes straight into the view
 _MAX_LINE = 1024  # a status or error line longer than this is not a reply to GET/SET
+_WAKE_BYTES = 256 << 10  # wake the reader once this much of a value is queued (SO_RCVLOWAT), not per packet
 
 
 class ProtocolError(Exception):
@@ -110,12 +111,30 @@ class ReplyReader:
         have = min(self._end - self._start, len(view))
         view[:have] = self._view[self._start : self._start + have]
         self._start += have
-        got = have
-        while got < len(view):
-            n = self.sock.recv_into(view[got:])
-            if n == 0:
-                raise ConnectionError("the server closed the connection mid-value")
-            got += n
+        if have < len(view):
+            self._recv_exact(view[have:])
+
+    def _recv_exact(self, view: memoryview) -> None:
+        """recv_into until view is full. On a plain socket the kernel is asked (SO_RCVLOWAT) to wake us only once
+        a good part of what is still due has arrived: over a link that paces the bytes, each wakeup costs more than
+        copying what it brought (issue 63: 0.98 -> 0.77 ms per MiB over a shaped veth link). Never over TLS: there
+        OpenSSL may already hold some of the bytes, and the socket would wait for ones that never come."""
+        lowat = 1
+        plain = not isinstance(self.sock, ssl.SSLSocket)
+        got = 0
+        try:
+            while got < len(view):
+                want = min(len(view) - got, _WAKE_BYTES)
+                if plain and want != lowat:
+                    self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                    lowat = want
+                n = self.sock.recv_into(view[got:])
+                if n == 0:
+                    raise ConnectionError("the server closed the connection mid-value")
+                got += n
+        finally:
+            if lowat != 1:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
     def _skip(self, n: int) -> None:
         """Consume n bytes nobody wants (the part of a value that does not fit its view)."""
