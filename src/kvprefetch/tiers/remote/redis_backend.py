@@ -31,7 +31,10 @@ _REDIRECT = (redis.exceptions.MovedError, redis.exceptions.AskError)
 
 class RedisBackend(RemoteBackend):
     name = "redis"
-    batch_size = 1  # parallel single GETs on the I/O threads beat one pipeline here (remotebench)
+    # Eight values pipelined per round trip: the node's CPU per MiB received falls from 0.71-0.75 ms (one per call)
+    # to 0.42-0.48 over a veth link shaped to 482 MB/s, and from 0.60 to 0.51 through the store on loopback; one
+    # connection streaming a pipeline already fills such a link (`kvprefetch remotebench`: redis vs redis x8).
+    batch_size = 8
 
     def __init__(self, url: str, cluster: bool, timeout_s: float, ttl_s: int | None, password: str | None,
                  username: str | None, ssl_ca_certs: str | None):  # fmt: skip
