@@ -52,7 +52,7 @@ LOCAL = ("memcpy", "xxh3")  # no socket: no ratio to a floor
 # (`$n\r\n` before, `\r\n` after), b"R"+n to swallow n bytes and answer b"k".
 _PEER = r"""
 import socket, sys
-srv = socket.create_server(("127.0.0.1", 0))
+srv = socket.create_server((sys.argv[2], 0))
 print(srv.getsockname()[1], flush=True)
 conn, _ = srv.accept()
 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -98,10 +98,13 @@ class CpuRow:
 class FloorPeer:
     """The floors: the peer process above, and the client's plain recv_into / sendall loops."""
 
-    def __init__(self, max_bytes: int):
-        self.proc = subprocess.Popen([sys.executable, "-c", _PEER, str(max_bytes)], stdout=subprocess.PIPE, text=True)
+    def __init__(self, max_bytes: int, wrap: list[str] | None = None, bind: str = "127.0.0.1", host: str = "127.0.0.1"):
+        """`wrap` runs the peer's process elsewhere (e.g. `ip netns exec POOL`), listening on `bind`; this process
+        reaches it at `host`."""
+        argv = [*(wrap or []), sys.executable, "-c", _PEER, str(max_bytes), bind]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
         port = int(self.proc.stdout.readline())
-        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock = socket.create_connection((host, port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._frame = memoryview(bytearray(32))
 
@@ -274,25 +277,32 @@ def run_cpu(backends: list[str], sizes: list[int], bytes_per_round: int, repeats
     receives then read). Returns medians, each path's ratio to the floors beside it."""
     import tempfile
 
-    rows: list[CpuRow] = []
     with tempfile.TemporaryDirectory(prefix="kvprefetch-remotecpu-") as tmp, \
             _servers(backends, Path(tmp), max(sizes)) as servers:  # fmt: skip
-        for size in sizes:
-            count = max(1, bytes_per_round // size)
-            (region, slots), (_, sources) = _slots(count, size), _slots(count, size)
-            names = [f"cpu{uuid.uuid4().hex[:8]}:{i}" for i in range(count)]
-            if "mooncake" in servers:
-                servers["mooncake"].register_memory(region)
-            paths = _paths(servers, sources, names)
-            samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
-            for r in range(repeats):
-                progress(f"CPU per MiB: {size / MiB:g} MiB values, round {r + 1}/{repeats}")
-                for direction in (SEND, RECV):
-                    for path, moves in paths.items():
-                        if direction in moves:
-                            samples.setdefault((path, direction), []).append(_measure(moves[direction], slots))
-            rows += _rows(samples, size, count * size)
-            _forget(servers, names)
+        return measure(servers, sizes, bytes_per_round, repeats, progress)
+
+
+def measure(servers: dict, sizes: list[int], bytes_per_round: int, repeats: int,
+            progress: Callable[[str], None] = lambda s: None) -> list[CpuRow]:  # fmt: skip
+    """run_cpu on servers already running, by path name: "peer" (a FloorPeer), "redis" / "redis TLS" /
+    "mooncake" (backends), "redis-py" / "redis-py TLS" (redis-py clients); each one present is measured."""
+    rows: list[CpuRow] = []
+    for size in sizes:
+        count = max(1, bytes_per_round // size)
+        (region, slots), (_, sources) = _slots(count, size), _slots(count, size)
+        names = [f"cpu{uuid.uuid4().hex[:8]}:{i}" for i in range(count)]
+        if "mooncake" in servers:
+            servers["mooncake"].register_memory(region)
+        paths = _paths(servers, sources, names)
+        samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for r in range(repeats):
+            progress(f"CPU per MiB: {size / MiB:g} MiB values, round {r + 1}/{repeats}")
+            for direction in (SEND, RECV):
+                for path, moves in paths.items():
+                    if direction in moves:
+                        samples.setdefault((path, direction), []).append(_measure(moves[direction], slots))
+        rows += _rows(samples, size, count * size)
+        _forget(servers, names)
     return rows
 
 
