@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvprefetch.store import Tier
-from kvprefetch.testbed.local_servers import RedisServer, free_port, wait_port
+from kvprefetch.testbed.local_servers import RedisServer, free_port, tls_args, wait_port
+from kvprefetch.testbed.local_servers import tls_files as make_tls_files
 from tests.remote.conftest import remote_section
 from tests.store.conftest import chunk_payload
 
@@ -48,25 +49,13 @@ def test_auth_with_the_right_password_works_and_a_wrong_one_is_a_miss(open_node,
 def tls_files(tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("openssl not installed")
-    ca_key, ca, key, csr, cert = (tmp_path / n for n in ("ca.key", "ca.crt", "srv.key", "srv.csr", "srv.crt"))
-    run = lambda *a: subprocess.run(a, check=True, capture_output=True)  # noqa: E731
-    run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
-        "-keyout", str(ca_key), "-out", str(ca))  # fmt: skip
-    run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", str(key),
-        "-out", str(csr))  # fmt: skip
-    ext = tmp_path / "ext.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-    run("openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
-        "-days", "1", "-extfile", str(ext), "-out", str(cert))  # fmt: skip
-    return ca, cert, key
+    return make_tls_files(tmp_path)
 
 
 def test_tls(open_node, keyer, tmp_path, tls_files):
     ca, cert, key = tls_files
     tls_port = free_port()
-    tls = ["--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
-           "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"]  # fmt: skip
-    server = RedisServer(tmp_path, *tls)
+    server = RedisServer(tmp_path, *tls_args(tls_port, ca, cert, key))
     try:
         wait_port(tls_port)
         remote = remote_section("redis", redis_server=server)
@@ -107,3 +96,27 @@ def test_redis_cluster_spreads_chunks_over_nodes(open_node, keyer, redis_cluster
     counts = [int(subprocess.run(["redis-cli", "-p", str(n.port), "dbsize"], capture_output=True, text=True)
                   .stdout.strip() or 0) for n in redis_cluster]  # fmt: skip
     assert sum(counts) == 8 and sum(1 for c in counts if c) >= 2, counts
+
+
+def test_redis_cluster_a_key_that_moved_is_followed(redis_cluster):
+    """The bulk path sends each key to the node the slot table names; when the table is stale the node answers
+    MOVED, and the key goes through redis-py's cluster client, which follows it and mends the table."""
+    from kvprefetch.tiers.remote.redis_backend import RedisBackend
+
+    backend = RedisBackend(f"redis://127.0.0.1:{redis_cluster[0].port}/0", True, 2.0, None, None, None, None)
+    try:
+        names = [f"moved:{i}" for i in range(8)]
+        backend.write_from(names, [memoryview(n.encode() * 100) for n in names])
+        nodes = backend.client.nodes_manager
+        for name in names[:4]:  # point these keys' slots at a node that does not serve them
+            slot = backend.client.keyslot(name)
+            owner = nodes.slots_cache[slot][0]
+            nodes.slots_cache[slot] = [n for n in backend.client.get_primaries() if n.name != owner.name][:1]
+        views = [memoryview(bytearray(len(n) * 100)) for n in names]
+        assert backend.read_into(names, views) == [len(n) * 100 for n in names]
+        assert [bytes(v) for v in views] == [n.encode() * 100 for n in names]
+        nodes.slots_cache[backend.client.keyslot(names[0])] = nodes.slots_cache[backend.client.keyslot(names[5])]
+        backend.write_from(names[:1], [memoryview(b"rewritten")])
+        assert backend.read_into(names[:1], views[:1]) == [9] and bytes(views[0][:9]) == b"rewritten"
+    finally:
+        backend.close()

@@ -41,6 +41,28 @@ def wait_port_in(netns: str | None, port: int, timeout: float = 20.0) -> None:
         raise TimeoutError(f"nothing listens on port {port} in network namespace {netns}: {out.stderr[-500:]}")
 
 
+def tls_files(workdir: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1 signed by it (openssl's CLI): (ca, cert, key)."""
+    if shutil.which("openssl") is None:
+        raise RuntimeError("openssl is not installed")
+    ca_key, ca, key, csr, cert, ext = (workdir / n for n in ("ca.key", "ca.crt", "srv.key", "srv.csr", "srv.crt",
+                                                             "ext.cnf"))  # fmt: skip
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    for argv in (["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
+                  "-keyout", ca_key, "-out", ca],
+                 ["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", key, "-out", csr],
+                 ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-days", "1",
+                  "-extfile", ext, "-out", cert]):  # fmt: skip
+        subprocess.run(["openssl", *map(str, argv)], check=True, capture_output=True)
+    return ca, cert, key
+
+
+def tls_args(tls_port: int, ca: Path, cert: Path, key: Path) -> list[str]:
+    """redis-server's arguments to also serve TLS on tls_port (clients need not present a certificate)."""
+    return ["--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+            "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"]  # fmt: skip
+
+
 class RedisServer:
     """A throwaway redis-server (no persistence) that tests may kill and restart on the same port; on loopback,
     or inside network namespace `netns` on every address there (other namespaces reach it at `url_at(ip)`)."""
