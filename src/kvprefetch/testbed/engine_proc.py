@@ -719,10 +719,12 @@ def op_generate(child: EngineChild, req: P.Generate) -> P.Generated:
     engine = child.engine
     each = req.max_tokens_each or [req.max_tokens] * len(req.prompts)
     identities = req.identities or [None] * len(req.prompts)
+    params = req.transfer_params or [None] * len(req.prompts)
     t0 = time.perf_counter()
     ids = [f"gen-{next(_GENERATIONS)}" for _ in req.prompts]
-    for rid, p, n, who in zip(ids, req.prompts, each, identities, strict=True):
-        sp = SamplingParams(max_tokens=n, temperature=0.0, logprobs=1, ignore_eos=True)
+    for rid, p, n, who, tp in zip(ids, req.prompts, each, identities, params, strict=True):
+        extra = {"kv_transfer_params": tp} if tp else None
+        sp = SamplingParams(max_tokens=n, temperature=0.0, logprobs=1, ignore_eos=True, extra_args=extra)
         prompt, lora = _prompt(p, who)
         engine.add_request(rid, prompt, sp, lora_request=lora)
     landed = None
