@@ -185,3 +185,10 @@ def test_skipped_chunks_reach_vllms_metrics_by_reason():
     assert registry.get_sample_value(name, labels | {"reason": "unseen"}) == 3
     assert registry.get_sample_value(name, labels | {"reason": "request"}) == 1
     assert registry.get_sample_value("vllm:kvprefetch_saves_skipped_unseen_total", labels) is None, "labelled only"
+
+
+def test_seen_saves_a_prompt_whose_leading_chunk_is_stored_even_when_it_recomputes_it():
+    side, store, keyer, blocks = seen_side(load_policy="never")  # (nothing loads: the sighting alone decides)
+    a = list(range(600))
+    store.tiers[keyer.keys(a)[0]] = "disk"  # an earlier run stored its head
+    assert len(run(side, blocks, a)) == 2

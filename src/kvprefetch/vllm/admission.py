@@ -17,8 +17,8 @@ Signals that override the sketch (`save_verdict`, strongest first):
 * a lease on finish (``keep_warm_s`` > 0, the request's or the connector's): the client expects a next turn;
 * a warm-up call for the prefix (`SchedulerSide.warm`): it counts as a sighting, so the request it warms for is
   the second;
-* a hit: a request that loaded its leading chunk from the store is reuse by definition (another engine saved it:
-  the sketch is this process's own).
+* a hit: a request whose leading chunk was in the store when it arrived, or that loaded it, is reuse by
+  definition (another engine, or an earlier run, saved it: the sketch is this process's own and starts empty).
 
 Invariant: a request's verdict is decided once, the first time it has a whole chunk to save, and never changes:
 a request whose early chunks were skipped and later ones saved would leave chunks no lookup reaches (a prefix

@@ -185,7 +185,8 @@ class _Req:
     skipped_slower: int = 0  # chunks counted as recomputed because reading them was slower (each once)
     step_reads: int = 0  # chunks its in-step (sync) load reads from below DRAM, none of them in flight already
     saved_chunks: int = 0  # leading chunks known to be in the store (loaded, present or saved), or skipped
-    seen_before: bool = False  # its leading chunk had been seen (or warmed) before it arrived (`_sight`)
+    seen_before: bool = False  # its leading chunk had been seen (or warmed) before it arrived (`_sight`) ...
+    lead_stored: bool = False  # ... or was in the store then (saved by another engine: the sketch is this process's)
     save_decided: bool = False  # whether its saves are admitted was decided (`_admit_saves`) ...
     save_skip: str | None = None  # ... and if not, why (`admission.SKIP_REASONS`)
     saves_inflight: set[int] = field(default_factory=set)
@@ -394,7 +395,9 @@ class SchedulerSide:
         if self.settings.save_policy != "seen" or not self.settings.save:
             return
         if self._keys(st, st.request.num_prompt_tokens):
-            st.seen_before = self.seen.record(st.keys[0][0]) > 0
+            lead = st.keys[0][0]
+            st.seen_before = self.seen.record(lead) > 0
+            st.lead_stored = bool(self.store.lookup([lead]).tiers)
 
     def _start_reads(self, st: _Req, keys: list[bytes]) -> None:
         """Read keys' chunks below DRAM into DRAM now; each is held for the request as it lands."""
@@ -871,7 +874,7 @@ class SchedulerSide:
             st.save_decided = True
             leased = keep_warm_s(st.request, self.settings.keep_warm_s) > 0
             wish = save_wish(getattr(st.request, "kv_transfer_params", None))
-            hit = st.saved_chunks > 0  # (before any save is planned, only a load sets it)
+            hit = st.lead_stored or st.saved_chunks > 0  # (before any save is planned, only a load sets it)
             st.save_skip = save_verdict(self.settings.save_policy, wish, seen_before=st.seen_before, leased=leased,
                                         hit=hit)  # fmt: skip
         if st.save_skip is None:
