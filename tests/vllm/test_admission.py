@@ -192,3 +192,36 @@ def test_seen_saves_a_prompt_whose_leading_chunk_is_stored_even_when_it_recomput
     a = list(range(600))
     store.tiers[keyer.keys(a)[0]] = "disk"  # an earlier run stored its head
     assert len(run(side, blocks, a)) == 2
+
+
+# ---- probation: a prefix seen once goes into DRAM only ---------------------------------------------------------------
+def jobs(side, blocks, tokens, **params):
+    """As `run`, but the save jobs themselves."""
+    r = vllm_request(tokens, kv_transfer_params=params or None)
+    side.on_new_request(r)
+    side.get_num_new_matched_tokens(r, 0)
+    blocks[r.request_id] = list(range(10, 10 + len(tokens) // 128 + 1))
+    nr = SimpleNamespace(req_id=r.request_id, num_computed_tokens=0)
+    so = SimpleNamespace(scheduled_new_reqs=[nr], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+                         num_scheduled_tokens={r.request_id: len(tokens)},
+                         total_num_scheduled_tokens=len(tokens))  # fmt: skip
+    meta = side.build_connector_meta(so)
+    side.request_finished(r)
+    return meta.saves
+
+
+def test_probation_puts_a_prefix_seen_once_into_dram_only_and_writes_it_back_from_its_second_sighting():
+    side, _, _, blocks = make_scheduler(save_policy="probation")
+    first = jobs(side, blocks, list(range(600)))
+    assert [(len(j.keys[0]), j.write_back) for j in first] == [(2, False)]
+    assert side.counters.snapshot()["saves_skipped_unseen"] == 2, "counted: not written back"
+    again = jobs(side, blocks, list(range(600)) + list(range(9000, 9300)))
+    assert [(len(j.keys[0]), j.write_back) for j in again] == [(3, True)]
+    asked_not = jobs(side, blocks, list(range(5000, 5300)), save=False)
+    assert asked_not == [] and side.counters.snapshot()["saves_skipped_request"] == 1
+
+
+def test_probation_is_the_default():
+    from kvprefetch.vllm.settings import parse_extra_config
+
+    assert parse_extra_config({}).save_policy == "probation"

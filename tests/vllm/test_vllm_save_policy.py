@@ -1,10 +1,12 @@
 """Save admission on a real vLLM CPU engine (issue 64): under ``save_policy: seen`` a prompt seen once saves
 nothing and the second time saves, ``kv_transfer_params {"save": true}`` saves on first sight, ``{"save": false}``
-saves nothing under ``all``; skipped chunks are counted by reason; what is loaded afterwards is exact."""
+saves nothing under ``all``; under ``probation`` (the default) a prompt seen once goes into DRAM only, nothing to
+disk, and its second sighting loads it; skipped chunks are counted by reason; what is loaded is exact."""
 
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -19,11 +21,15 @@ from kvprefetch.vllm import transfer_config
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 
+def engine(model_dir, logs, disk: Path, pools, policy: str) -> Engine:
+    extra = extra_config(disk, pools, save_policy=policy)
+    spec = {"model": model_dir, "max_num_seqs": 1, "kv_transfer_config": transfer_config(extra)}
+    return Engine(spec, logs / f"{policy}-{uuid.uuid4().hex[:6]}.log")
+
+
 @pytest.fixture(scope="module")
 def seen(model_dir, logs, disk_dir, pools):
-    extra = extra_config(disk_dir / "seen", pools, save_policy="seen")
-    spec = {"model": model_dir, "max_num_seqs": 1, "kv_transfer_config": transfer_config(extra)}
-    e = Engine(spec, logs / f"seen-{uuid.uuid4().hex[:6]}.log")
+    e = engine(model_dir, logs, disk_dir / "seen", pools, "seen")
     yield e
     e.close()
 
@@ -59,3 +65,25 @@ def test_a_request_that_asks_not_to_be_saved_is_not_under_all(engines):
     e.generate([prompt(6403, LEN)], 1, transfer_params=[{"save": False}])
     d = delta(e.counters(), before)
     assert (d["saved_chunks"], d["worker_saved_chunks"], d["saves_skipped_request"]) == (0, 0, 4)
+
+
+def test_probation_puts_a_prompt_seen_once_into_dram_only_and_its_second_sighting_loads_it(
+    model_dir, logs, disk_dir, pools, engines
+):
+    disk = disk_dir / "probation"
+    e = engine(model_dir, logs, disk, pools, "probation")
+    try:
+        p = prompt(6404, LEN)
+        ref = reference(engines, p)
+        before = e.counters()
+        assert_same(e.generate([p])[0], ref)
+        assert e.flush()
+        d = delta(e.counters(), before)
+        assert (d["worker_saved_chunks"], d["saves_skipped_unseen"]) == (4, 4)
+        assert not [f for f in disk.rglob("*") if f.is_file() and f.stat().st_size > 4096], "nothing on disk"
+        before = e.counters()
+        assert_same(e.generate([p])[0], ref)
+        d = delta(e.counters(), before)
+        assert d["loaded_chunks"] == 4 and d["worker_loaded_chunks"] == 4, "loaded from DRAM"
+    finally:
+        e.close()

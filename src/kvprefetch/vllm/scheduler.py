@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any
 from kvprefetch.episodes import EpisodeLog
 from kvprefetch.keys import ChunkKeyer
 from kvprefetch.tiers.chunk_format import image_bytes
-from kvprefetch.vllm.admission import SeenSketch, save_verdict, save_wish
+from kvprefetch.vllm.admission import SeenSketch, dram_only, save_verdict, save_wish
 from kvprefetch.vllm.costmodel import CostModel, TierMeter
 from kvprefetch.vllm.identity import UNTIERED_REASONS, Identity, Untiered, request_identity
 from kvprefetch.vllm.leases import Lease, Leases
@@ -392,7 +392,7 @@ class SchedulerSide:
         """Count the arriving request's leading chunk in the sketch (save_policy seen) and remember whether it had
         been seen before: the first half of its save verdict (`_admit_saves`). Once per request, at arrival: vLLM
         asks about a request many times, but it arrives once."""
-        if self.settings.save_policy != "seen" or not self.settings.save:
+        if self.settings.save_policy == "all" or not self.settings.save:
             return
         if self._keys(st, st.request.num_prompt_tokens):
             lead = st.keys[0][0]
@@ -833,6 +833,7 @@ class SchedulerSide:
             full = min(done_tokens, st.request.num_tokens) // self.chunk_tokens
             if full <= st.saved_chunks or not self._identify(st) or not self._admit_saves(st, full):
                 continue  # nothing new, served without the tiers, or not worth saving
+            write_back = st.save_skip is None  # (else in DRAM only: a prefix seen once, on probation)
             if not self._keys(st, full * self.chunk_tokens):
                 continue
             # Chunks already in DRAM (on every rank) are skipped. Chunks only on disk that the engine computed
@@ -854,6 +855,7 @@ class SchedulerSide:
                 rid,
                 st.chunk_keys(first, full),
                 [[int(b) for b in blocks[c * per : (c + 1) * per]] for c in range(first, full)],
+                write_back,
             )
             self._next_job += 1
             st.saves_inflight.add(job.job_id)
@@ -867,9 +869,11 @@ class SchedulerSide:
 
     def _admit_saves(self, st: _Req, full: int) -> bool:
         """Whether the request's chunks are saved (`admission.save_verdict`: its kv_transfer_params, then
-        save_policy and the signs of reuse: seen before or warmed, a lease on finish, a hit). Decided once, the
-        first time it has a whole chunk to save, and kept (a prefix saved from its middle on is never reached).
-        A request whose saves are not admitted has chunks [saved_chunks, full) counted as skipped, each once."""
+        save_policy and the signs of reuse: seen before or warmed, a lease on finish, a hit), into DRAM only
+        where the verdict skips them and the policy is probation (`admission.dram_only`). Decided once, the first
+        time it has a whole chunk to save, and kept (a prefix saved from its middle on is never reached).
+        Chunks [saved_chunks, full) of a request whose verdict skips them are counted as skipped (not saved, or
+        not written back), each once."""
         if not st.save_decided:
             st.save_decided = True
             leased = keep_warm_s(st.request, self.settings.keep_warm_s) > 0
@@ -880,6 +884,8 @@ class SchedulerSide:
         if st.save_skip is None:
             return True
         self.counters.inc(saves_skipped_counter(st.save_skip), full - st.saved_chunks)
+        if dram_only(self.settings.save_policy, st.save_skip):
+            return True
         st.saved_chunks = full
         return False
 
@@ -999,7 +1005,7 @@ class SchedulerSide:
         n = len(token_ids) // self.chunk_tokens
         extras = identity.chunk_extras(0, n, self.chunk_tokens) if identity is not None and not identity.plain else None
         keys = [k.keys(list(token_ids[: n * self.chunk_tokens]), extras=extras) for k in self.keyers]
-        if n and self.settings.save_policy == "seen":
+        if n and self.settings.save_policy != "all":
             self.seen.record(keys[0][0])  # a sighting: the request it warms for is the second (`_sight`)
         hit = self._hit(keys)
         m = hit.num_chunks
