@@ -314,7 +314,7 @@ class SchedulerSide:
         self.events = events
         self._idle_since: float | None = None  # (clock) since when the steps built have computed nothing
         self._episodes = EpisodeLog(log)
-        self.seen = SeenSketch()  # leading chunks seen lately (save_policy seen; `_sight`, `warm`)
+        self.seen = SeenSketch()  # leading chunks seen lately (save_policy probation and seen; `_sight`, `warm`)
 
     # ---- keys and lookup ------------------------------------------------------------------------------------
     def _keys(self, st: _Req, num_tokens: int) -> int:
@@ -389,9 +389,9 @@ class SchedulerSide:
         self.leases.release_within(set(st.flat_keys(0, m)))  # the turn a lease kept them for is here
 
     def _sight(self, st: _Req) -> None:
-        """Count the arriving request's leading chunk in the sketch (save_policy seen) and remember whether it had
-        been seen before: the first half of its save verdict (`_admit_saves`). Once per request, at arrival: vLLM
-        asks about a request many times, but it arrives once."""
+        """Count the arriving request's leading chunk in the sketch (save_policy probation and seen) and remember
+        whether it had been seen before, or is stored: the first half of its save verdict (`_admit_saves`). Once
+        per request, at arrival: vLLM asks about a request many times, but it arrives once."""
         if self.settings.save_policy == "all" or not self.settings.save:
             return
         if self._keys(st, st.request.num_prompt_tokens):
