@@ -70,8 +70,7 @@ def extra_config(disk_dir: Path, pools: list[str], dram: dict | None = None, **k
         # A lenient margin keeps the rule on but the decisions stable (the rule has its own tests).
         "load_margin": 0.2,
         # These tests save what they run once, to DRAM and disk, and load it the next time: every request is saved
-        # (save_policy probation, the default, writes a prompt to disk from its second sighting on:
-        # test_vllm_save_policy.py).
+        # (save_policy seen, the default, saves a prompt from its second sighting on: test_vllm_save_policy.py).
         "save_policy": "all",
     }
     cfg.update(kw)

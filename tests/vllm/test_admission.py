@@ -221,7 +221,7 @@ def test_probation_puts_a_prefix_seen_once_into_dram_only_and_writes_it_back_fro
     assert asked_not == [] and side.counters.snapshot()["saves_skipped_request"] == 1
 
 
-def test_probation_is_the_default():
+def test_seen_is_the_default():
     from kvprefetch.vllm.settings import parse_extra_config
 
-    assert parse_extra_config({}).save_policy == "probation"
+    assert parse_extra_config({}).save_policy == "seen"

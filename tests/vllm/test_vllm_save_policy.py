@@ -1,7 +1,7 @@
 """Save admission on a real vLLM CPU engine (issue 64): under ``save_policy: seen`` a prompt seen once saves
 nothing and the second time saves, ``kv_transfer_params {"save": true}`` saves on first sight, ``{"save": false}``
-saves nothing under ``all``; under ``probation`` (the default) a prompt seen once goes into DRAM only, nothing to
-disk, and its second sighting loads it; skipped chunks are counted by reason; what is loaded is exact."""
+saves nothing under ``all``; under ``probation`` a prompt seen once goes into DRAM only, nothing to disk, and its
+second sighting loads it; skipped chunks are counted by reason; what is loaded is exact."""
 
 from __future__ import annotations
 

@@ -11,13 +11,15 @@ hits because a reused prefix is seen again: a chat's turn 2 starts with turn 1's
 share a system prompt share it from the first), an agent's next call starts with its task. What it costs is the
 first reuse of a prefix nobody has seen before: its second request computes it (and saves it), the third hits.
 
-``save_policy: probation`` (the default) keeps that first reuse: a prefix seen once is put into the DRAM pool
-only, on probation (as a segmented LRU's probationary segment), and nothing of it goes to disk (nor to the shared
-tier); its second request loads it from DRAM if it is still there, and from its second sighting on a prefix's
-chunks are written back as under ``all``. A prompt nobody sends twice then costs its copy into DRAM (the cheap part
-of a save: `kvprefetch bench` measured the copy-out and the put at ~1.3 ms of CPU per 1 MiB chunk on this
-machine, the write-back about as much again and all of the disk's bandwidth) and a DRAM slot until LRU reclaims
-it; no byte reaches the disk.
+``save_policy: seen`` is the default because it is what removed the cost: with no reuse, prefetch against vLLM
+alone at c=8 went from TTFT +17% and throughput -8% (``all``) to a tie (+0%, -3%) in one bench run of three rounds.
+
+``save_policy: probation`` keeps that first reuse: a prefix seen once is put into the DRAM pool only, on probation
+(as a segmented LRU's probationary segment), and nothing of it goes to disk (nor to the shared tier); its second
+request loads it from DRAM if it is still there, and from its second sighting on a prefix's chunks are written
+back as under ``all``. No byte of a prompt nobody sends twice reaches the disk, but its copy out of the engine and
+into DRAM remains, and that, not the write-back, is what cost the engine: the same run measured probation at TTFT
++18% and throughput -13% (the Mooncake trace kept all its hits under probation, 95% of them under seen).
 
 Signals that override the sketch (`save_verdict`, strongest first):
 
@@ -42,7 +44,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-SavePolicy = Literal["all", "probation", "seen"]
+SavePolicy = Literal["all", "seen", "probation"]
 # Why a request's chunks were not saved (`metrics.saves_skipped_counter`): exported as
 # ``vllm:kvprefetch_saves_skipped_total{reason}``.
 SKIP_REASONS: dict[str, str] = {
