@@ -210,6 +210,7 @@ class TieredStore:
             "put_chunks": 0,
             "put_skipped_present": 0,
             "put_present_not_durable": 0,
+            "put_dram_only": 0,
             "writeback_errors": 0,
             "remote_hits": 0,
             "remote_writes": 0,
@@ -576,8 +577,10 @@ class TieredStore:
         self.dram.release(extent.slot)
 
     # ---- writes ------------------------------------------------------------------------------------------
-    def put(self, keys: Sequence[bytes], buffers: Sequence) -> Future:
-        """Store chunks in DRAM now and write them back to disk asynchronously.
+    def put(self, keys: Sequence[bytes], buffers: Sequence, write_back: bool = True) -> Future:
+        """Store chunks in DRAM now and write them back to disk asynchronously (``write_back`` False: DRAM only,
+        neither the disk nor the remote tier; a key DRAM holds already, or cannot place, is left; the future
+        resolves at once).
 
         The returned future resolves (to the number of chunks written to disk) once every chunk is durable;
         its exception is the first write-back error, e.g. DiskFullError, while DRAM keeps serving the chunks.
@@ -600,10 +603,13 @@ class TieredStore:
                 crash_point("store.put.payload_copied")
                 write_header(image, key, len(src))
                 crash_point("store.put.header_written")
-                if self.disk is not None:
+                if self.disk is not None and write_back:
                     self.dram.pin_slot(slot)  # held until written back, so eviction cannot lose it
                 self.dram.commit(slot)
-            elif self._durable(key):
+                if not write_back:
+                    self.counters["put_dram_only"] += 1
+                    continue
+            elif not write_back or self._durable(key):
                 self.counters["put_skipped_present"] += 1
                 continue
             else:  # in DRAM only (not durable), being written, or every slot is pinned: to disk from a copy

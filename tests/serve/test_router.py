@@ -115,8 +115,9 @@ def nodes(tmp_path_factory):
     try:
         for i in range(2):
             pool, events = f"kvpt-router-{uuid.uuid4().hex[:8]}", KvEventsPorts.free()
+            # (save_policy all: every first turn is stored in DRAM and on disk, whose events draw its second turn)
             sets = {"dram.pool_name": pool, "dram.capacity_bytes": "64MiB", "disk.path": str(work / f"disk{i}"),
-                    "log_interval_s": 0}  # fmt: skip
+                    "log_interval_s": 0, "save_policy": "all"}  # fmt: skip
             argv = serve_node_argv(model, events, sets, ENGINE_ARGS)
             server = OpenAIServer(argv, work / f"node{i}.log", free_port(), new_session=True)
             live.append((server, events, SHM_DIR / f"kvprefetch-{pool}.pool"))

@@ -192,6 +192,7 @@ def stopped(tmp_path_factory) -> dict[str, Stopped]:
             argv = [sys.executable, "-m", "kvprefetch.cli", "serve", model,
                     "--set", f"dram.pool_name={pool}", "--set", "dram.capacity_bytes=64MiB",
                     "--set", f"disk.path={disk}", "--set", "log_interval_s=0",
+                    "--set", "save_policy=all",  # (every chunk it computes is saved: what shutdown must keep)
                     "--port", str(port), "--host", "127.0.0.1", "--served-model-name", "tiny",
                     "--kv-cache-memory-bytes", str(48 << 20), "--max-model-len", "4096",
                     "--chat-template", CHAT_TEMPLATE]  # fmt: skip

@@ -60,6 +60,22 @@ def test_dram_evicts_lru_and_disk_still_serves(open_store, keyer):
     assert n == 20 and all((o == chunk_payload(k)).all() for o, k in zip(out, keys, strict=True))
 
 
+def test_a_dram_only_put_writes_nothing_back_and_a_later_put_writes_it(open_store, keyer):
+    """`put(write_back=False)` (save_policy probation: a prefix seen once): in DRAM, unpinned, never on disk; a
+    later ordinary put of the same key writes it back from the caller's bytes."""
+    store = open_store()
+    keys = keyer.keys(range(16 * 2))
+    assert store.put(keys, [chunk_payload(k) for k in keys], write_back=False).result(1) == 0
+    assert store.flush(30) and len(store.disk) == 0
+    assert store.lookup(keys).tiers == [Tier.DRAM] * 2 and store.dram.stats()["slots_pinned"] == 0
+    assert store.counters["put_dram_only"] == 2
+    assert store.put(keys, [chunk_payload(k) for k in keys], write_back=False).result(1) == 0, "present: left"
+    store.put(keys[:1], [chunk_payload(keys[0])]).result(30)
+    assert [store.disk.contains(k) for k in keys] == [True, False]
+    n, out = _load(store, keys)
+    assert n == 2 and all((o == chunk_payload(k)).all() for o, k in zip(out, keys, strict=True))
+
+
 def test_disk_capacity_evicts_oldest_files(open_store, keyer):
     image = CHUNK_BYTES + 4096
     store = open_store(disk={"capacity_bytes": 5 * image})

@@ -69,6 +69,9 @@ def extra_config(disk_dir: Path, pools: list[str], dram: dict | None = None, **k
         # the load-or-recompute rule could go either way, and these tests are about what a load produces.
         # A lenient margin keeps the rule on but the decisions stable (the rule has its own tests).
         "load_margin": 0.2,
+        # These tests save what they run once, to DRAM and disk, and load it the next time: every request is saved
+        # (save_policy seen, the default, saves a prompt from its second sighting on: test_vllm_save_policy.py).
+        "save_policy": "all",
     }
     cfg.update(kw)
     return cfg

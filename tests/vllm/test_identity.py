@@ -161,7 +161,7 @@ def test_the_key_scheme_is_versioned_so_chunks_keyed_without_identity_read_as_mi
 # ---- the scheduler side ------------------------------------------------------------------------------------------
 def scheduler() -> tuple[SchedulerSide, FakeStore]:
     store = FakeStore()
-    side = SchedulerSide(parse_extra_config({}), KEYER, store, block_size=BLOCK, blocks_per_chunk=2,
+    side = SchedulerSide(parse_extra_config({"save_policy": "all"}), KEYER, store, block_size=BLOCK, blocks_per_chunk=2,
                          chunk_bytes=1000, counters=ConnectorCounters("scheduler"),
                          get_block_ids=lambda rid: list(range(16)))  # fmt: skip
     return side, store

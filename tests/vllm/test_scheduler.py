@@ -17,7 +17,7 @@ def make_scheduler(prefetch=True, clock=time.monotonic, **extra):
     from kvprefetch.keys import ChunkKeyer, KVNamespace
     from kvprefetch.vllm.scheduler import SchedulerSide
 
-    settings = parse_extra_config({"prefetch": prefetch, **extra})
+    settings = parse_extra_config({"prefetch": prefetch, "save_policy": "all", **extra})  # (saves on first sight)
     ns = KVNamespace(model="m", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32")
     keyer = ChunkKeyer(ns, 256)
     store = FakeStore()

@@ -45,7 +45,7 @@ def side(tmp_path):
         pool = f"kvpt-lease-{uuid.uuid4().hex[:8]}"
         cfg = {"dram": {"capacity_bytes": 16 * (CHUNK_BYTES + 4096), "pool_name": pool},
                "disk": {"path": str(tmp_path / "disk"), "fsync": False}}  # fmt: skip
-        settings = parse_extra_config(cfg | extra)
+        settings = parse_extra_config(cfg | {"save_policy": "all"} | extra)  # (saves on first sight)
         store = TieredStore(settings.store, CHUNK_BYTES)
         blocks: dict[str, list[int]] = {}
         s = SchedulerSide(settings, KEYER, store, block_size=128, blocks_per_chunk=2, chunk_bytes=CHUNK_BYTES,

@@ -274,7 +274,9 @@ class Requests:
             "sid": sessions[i]["sid"], "turn": k, "session": i, "prompt_tokens": len(turn["tokens"]),
             "arrival": arrival, "submitted": now, "token_times": [], "error": None,
         }  # fmt: skip
-        sp = SamplingParams(max_tokens=int(turn["max_tokens"]), temperature=0.0, ignore_eos=True)
+        # (a turn marked "save" asks the connector to save it whatever its save_policy: `declared_stored`)
+        extra = {"kv_transfer_params": {"save": True}} if turn.get("save") else None
+        sp = SamplingParams(max_tokens=int(turn["max_tokens"]), temperature=0.0, ignore_eos=True, extra_args=extra)
         try:
             self.engine.add_request(rid, {"prompt_token_ids": turn["tokens"]}, sp)
         except Exception as err:  # a request the engine refuses counts as an error, not a crash
@@ -620,14 +622,16 @@ def _read_until_end(inbox: queue.Queue) -> None:
 def op_run(child: EngineChild, req: P.Run) -> dict:
     """One level (or the prelude) of the workload file, with the counters and CPU meters around it."""
     w = child.workload(req.file)
+    conn = _scheduler_connector()
     sessions = w["prelude"] if req.level == "prelude" else w["levels"][str(req.level)]
+    if req.level == "prelude" and conn is not None:  # (another connector is not asked)
+        sessions = declared_stored(sessions)
     if req.only is not None:
         sessions = [s for s in sessions if s["sid"] in set(req.only)]
     if req.salt:
         sessions = salted(sessions, req.salt, child.engine.model_config.get_vocab_size())
     before = child.snapshot()
     cpu, helpers = CpuMeter(child.cpu_s), HelperCpuMeter(child.cpu_s)
-    conn = _scheduler_connector()
     agent = AgentClient(sessions, conn, req.warm_ttl_s, req.tag) if req.agent else None
     pressure = None
     if req.pressure_life_s is not None and conn is not None:
@@ -646,6 +650,13 @@ def op_run(child: EngineChild, req: P.Run) -> dict:
     res["helper_cpu_s"] = helpers.seconds()  # after the flush: the write-back is theirs too
     res["before"], res["after"] = before, child.snapshot()
     return res
+
+
+def declared_stored(sessions: list[dict]) -> list[dict]:
+    """The prelude's sessions with every turn marked to be saved (``kv_transfer_params {"save": true}``): the
+    prelude stands for the conversations so far, which the workload declares stored, however often the connector's
+    save_policy would have had to see them first (``seen``: a prompt seen once is not saved)."""
+    return [s | {"turns": [t | {"save": True} for t in s["turns"]]} for s in sessions]
 
 
 def salted(sessions: list[dict], salt: int, vocab: int) -> list[dict]:
@@ -708,10 +719,12 @@ def op_generate(child: EngineChild, req: P.Generate) -> P.Generated:
     engine = child.engine
     each = req.max_tokens_each or [req.max_tokens] * len(req.prompts)
     identities = req.identities or [None] * len(req.prompts)
+    params = req.transfer_params or [None] * len(req.prompts)
     t0 = time.perf_counter()
     ids = [f"gen-{next(_GENERATIONS)}" for _ in req.prompts]
-    for rid, p, n, who in zip(ids, req.prompts, each, identities, strict=True):
-        sp = SamplingParams(max_tokens=n, temperature=0.0, logprobs=1, ignore_eos=True)
+    for rid, p, n, who, tp in zip(ids, req.prompts, each, identities, params, strict=True):
+        extra = {"kv_transfer_params": tp} if tp else None
+        sp = SamplingParams(max_tokens=n, temperature=0.0, logprobs=1, ignore_eos=True, extra_args=extra)
         prompt, lora = _prompt(p, who)
         engine.add_request(rid, prompt, sp, lora_request=lora)
     landed = None

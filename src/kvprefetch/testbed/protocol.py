@@ -260,6 +260,7 @@ class Generate(Request):
     max_tokens_each: list[int] | None = None
     hold_until_prefetched: bool = False  # every request queued and every prefetch landed before the first step
     identities: list[PromptIdentity | None] | None = None
+    transfer_params: list[dict[str, Any] | None] | None = None  # prompt i's kv_transfer_params, if any
 
 
 class Warm(Request):

@@ -39,6 +39,7 @@ class SaveJob:
     req_id: str
     keys: list[list[bytes]]
     block_ids: list[list[int]]
+    write_back: bool = True  # False: into DRAM only (save_policy probation, a prefix seen once)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvprefetch.vllm.admission import SKIP_REASONS
 from kvprefetch.vllm.identity import UNTIERED_REASONS
 
 log = logging.getLogger("kvprefetch.vllm")
@@ -44,6 +45,8 @@ COUNTERS: dict[str, str] = {
     "saved_chunks": "Whole chunks planned for saving to the store.",
     "worker_saved_chunks": "Chunks copied out of the engine into the store by the workers.",
     "save_errors": "Save jobs that failed (the chunks are simply not cached).",
+    **{f"saves_skipped_{reason}": f"Whole chunks not saved because {why}."
+       for reason, why in SKIP_REASONS.items()},
     "leases_granted": "Leases granted (lease on finish, warm-up calls).",
     "leases_used": "Leases ended early because a request that loads all of their chunks arrived.",
     "leases_expired": "Leases that reached their ttl unused.",
@@ -70,6 +73,11 @@ HIT_TIERS = ("dram", "disk", "remote")
 def hit_counter(tier: str) -> str:
     """The counter of prompt tokens loaded from `tier` (the tier that held each chunk when its load was planned)."""
     return f"hit_tokens_{tier}"
+
+
+def saves_skipped_counter(reason: str) -> str:
+    """The counter of whole chunks not saved for `reason` (`kvprefetch.vllm.admission.SKIP_REASONS`)."""
+    return f"saves_skipped_{reason}"
 
 
 def untiered_counter(reason: str) -> str:

@@ -37,7 +37,10 @@ waits for those reads before the workers start it (`SchedulerSide._wait_for_read
 while the workers run a step, on the core the reads need.
 
 Saves are orthogonal to the phases: ``build_connector_meta`` saves every whole chunk a step completes (prompt
-and generated tokens), and ``request_finished`` holds the blocks (True) only while a save may still read them.
+and generated tokens) of a request whose saves are admitted (``save_policy``, `kvprefetch.vllm.admission`: each
+request's leading chunk is counted in a frequency sketch as it arrives, and its verdict is decided once, the first
+time it has a whole chunk to save), and ``request_finished`` holds the blocks (True) only while a save may still
+read them.
 
 A cache layer must never stop an engine (issue 59). A request is parked (answered "asynchronous") at most once per
 admission: vLLM asks again about a parked request only when its load failed, and it then keeps the request among
@@ -61,11 +64,18 @@ from typing import TYPE_CHECKING, Any
 from kvprefetch.episodes import EpisodeLog
 from kvprefetch.keys import ChunkKeyer
 from kvprefetch.tiers.chunk_format import image_bytes
+from kvprefetch.vllm.admission import SeenSketch, dram_only, save_verdict, save_wish
 from kvprefetch.vllm.costmodel import CostModel, TierMeter
 from kvprefetch.vllm.identity import UNTIERED_REASONS, Identity, Untiered, request_identity
 from kvprefetch.vllm.leases import Lease, Leases
 from kvprefetch.vllm.metadata import KVPrefetchMetadata, KVPrefetchWorkerMeta, LoadJob, SaveJob
-from kvprefetch.vllm.metrics import ConnectorCounters, RankCounters, hit_counter, untiered_counter
+from kvprefetch.vllm.metrics import (
+    ConnectorCounters,
+    RankCounters,
+    hit_counter,
+    saves_skipped_counter,
+    untiered_counter,
+)
 from kvprefetch.vllm.settings import ConnectorSettings, LoadMode
 from kvprefetch.vllm.store_api import ReadHandle, SchedulerStore
 from kvprefetch.vllm.timeline import timeline
@@ -174,7 +184,11 @@ class _Req:
     hit_tokens: dict[str, int] = field(default_factory=dict)  # the last load's tokens per tier
     skipped_slower: int = 0  # chunks counted as recomputed because reading them was slower (each once)
     step_reads: int = 0  # chunks its in-step (sync) load reads from below DRAM, none of them in flight already
-    saved_chunks: int = 0  # leading chunks known to be in the store (loaded, present or saved)
+    saved_chunks: int = 0  # leading chunks known to be in the store (loaded, present or saved), or skipped
+    seen_before: bool = False  # its leading chunk had been seen (or warmed) before it arrived (`_sight`) ...
+    lead_stored: bool = False  # ... or was in the store then (saved by another engine: the sketch is this process's)
+    save_decided: bool = False  # whether its saves are admitted was decided (`_admit_saves`) ...
+    save_skip: str | None = None  # ... and if not, why (`admission.SKIP_REASONS`)
     saves_inflight: set[int] = field(default_factory=set)
     join_until: float | None = None  # (clock) how long it waits for a save of its next chunk still in flight
     # What its KV depends on beyond its tokens (`identity`), established when it first has a whole chunk;
@@ -300,6 +314,7 @@ class SchedulerSide:
         self.events = events
         self._idle_since: float | None = None  # (clock) since when the steps built have computed nothing
         self._episodes = EpisodeLog(log)
+        self.seen = SeenSketch()  # leading chunks seen lately (save_policy probation and seen; `_sight`, `warm`)
 
     # ---- keys and lookup ------------------------------------------------------------------------------------
     def _keys(self, st: _Req, num_tokens: int) -> int:
@@ -355,6 +370,7 @@ class SchedulerSide:
     def on_new_request(self, request: Any) -> None:
         st = self._state(request)
         self.leases.expire()
+        self._sight(st)
         if not self.settings.prefetch or self.settings.load_policy == "never":
             return
         n = self._keys(st, request.num_prompt_tokens)
@@ -371,6 +387,17 @@ class SchedulerSide:
             self._start_reads(st, st.flat_keys(0, m))
             self.holds.set_phase(st, Phase.PREFETCHING)
         self.leases.release_within(set(st.flat_keys(0, m)))  # the turn a lease kept them for is here
+
+    def _sight(self, st: _Req) -> None:
+        """Count the arriving request's leading chunk in the sketch (save_policy probation and seen) and remember
+        whether it had been seen before, or is stored: the first half of its save verdict (`_admit_saves`). Once
+        per request, at arrival: vLLM asks about a request many times, but it arrives once."""
+        if self.settings.save_policy == "all" or not self.settings.save:
+            return
+        if self._keys(st, st.request.num_prompt_tokens):
+            lead = st.keys[0][0]
+            st.seen_before = self.seen.record(lead) > 0
+            st.lead_stored = bool(self.store.lookup([lead]).tiers)
 
     def _start_reads(self, st: _Req, keys: list[bytes]) -> None:
         """Read keys' chunks below DRAM into DRAM now; each is held for the request as it lands."""
@@ -804,8 +831,11 @@ class SchedulerSide:
             if st is None:
                 continue
             full = min(done_tokens, st.request.num_tokens) // self.chunk_tokens
-            if full <= st.saved_chunks or not self._keys(st, full * self.chunk_tokens):
-                continue  # nothing new, or served without the tiers
+            if full <= st.saved_chunks or not self._identify(st) or not self._admit_saves(st, full):
+                continue  # nothing new, served without the tiers, or not worth saving
+            write_back = st.save_skip is None  # (else in DRAM only: a prefix seen once, on probation)
+            if not self._keys(st, full * self.chunk_tokens):
+                continue
             # Chunks already in DRAM (on every rank) are skipped. Chunks only on disk that the engine computed
             # anyway (recomputed because the disk was too slow, or served by vLLM's own prefix cache) are put
             # again: into DRAM, where the next hit is cheap; the store does not write them to disk twice.
@@ -825,6 +855,7 @@ class SchedulerSide:
                 rid,
                 st.chunk_keys(first, full),
                 [[int(b) for b in blocks[c * per : (c + 1) * per]] for c in range(first, full)],
+                write_back,
             )
             self._next_job += 1
             st.saves_inflight.add(job.job_id)
@@ -835,6 +866,28 @@ class SchedulerSide:
                 self._saving[key] = until
             meta.saves.append(job)
             self.counters.inc("saved_chunks", full - first)
+
+    def _admit_saves(self, st: _Req, full: int) -> bool:
+        """Whether the request's chunks are saved (`admission.save_verdict`: its kv_transfer_params, then
+        save_policy and the signs of reuse: seen before or warmed, a lease on finish, a hit), into DRAM only
+        where the verdict skips them and the policy is probation (`admission.dram_only`). Decided once, the first
+        time it has a whole chunk to save, and kept (a prefix saved from its middle on is never reached).
+        Chunks [saved_chunks, full) of a request whose verdict skips them are counted as skipped (not saved, or
+        not written back), each once."""
+        if not st.save_decided:
+            st.save_decided = True
+            leased = keep_warm_s(st.request, self.settings.keep_warm_s) > 0
+            wish = save_wish(getattr(st.request, "kv_transfer_params", None))
+            hit = st.lead_stored or st.saved_chunks > 0  # (before any save is planned, only a load sets it)
+            st.save_skip = save_verdict(self.settings.save_policy, wish, seen_before=st.seen_before, leased=leased,
+                                        hit=hit)  # fmt: skip
+        if st.save_skip is None:
+            return True
+        self.counters.inc(saves_skipped_counter(st.save_skip), full - st.saved_chunks)
+        if dram_only(self.settings.save_policy, st.save_skip):
+            return True
+        st.saved_chunks = full
+        return False
 
     def update_connector_output(self, output: Any) -> None:
         worker_meta = getattr(output, "kv_connector_worker_meta", None)
@@ -925,7 +978,7 @@ class SchedulerSide:
         """Keep the finished request's chunks (prompt + answer: its session's likely next head) in DRAM for
         keep_warm_s; the chunks its last saves still write are pinned as those land (`update_connector_output`)."""
         keep = keep_warm_s(st.request, self.settings.keep_warm_s)
-        if keep > 0 and st.saved_chunks > 0:
+        if keep > 0 and st.saved_chunks > 0 and st.save_skip is None:
             self.leases.grant(f"finish-{st.req_id}", "finish", st.flat_keys(0, st.saved_chunks), keep, self.tp_size)
 
     def _forget_stale_saves(self, limit: int = 4096) -> None:
@@ -952,6 +1005,8 @@ class SchedulerSide:
         n = len(token_ids) // self.chunk_tokens
         extras = identity.chunk_extras(0, n, self.chunk_tokens) if identity is not None and not identity.plain else None
         keys = [k.keys(list(token_ids[: n * self.chunk_tokens]), extras=extras) for k in self.keyers]
+        if n and self.settings.save_policy != "all":
+            self.seen.record(keys[0][0])  # a sighting: the request it warms for is the second (`_sight`)
         hit = self._hit(keys)
         m = hit.num_chunks
         flat = [k[i] for i in range(m) for k in keys]

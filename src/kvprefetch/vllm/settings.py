@@ -52,6 +52,12 @@ Connector keys (besides the store's):
 * ``lease_budget_share``: the share of the DRAM tier leases may hold (default 0.25).
 * ``layerwise``: load layer by layer inside the forward pass (default true).
 * ``save``: save new whole chunks (default true).
+* ``save_policy``: which requests' chunks are saved where (`kvprefetch.vllm.admission`): ``seen`` (default)
+  saves a prefix's chunks from the second time its leading chunk is seen (a per-process frequency sketch), or when
+  a warm-up, a lease on finish, a hit or the request's ``kv_transfer_params`` ``{"save": true}`` says it will be
+  reused; ``probation`` puts a prefix seen once into DRAM only (nothing to disk) instead of not saving it;
+  ``all`` saves every request's chunks to DRAM and disk. ``{"save": false}`` skips a request's saves under
+  every policy. Chunks not saved (or not written back) are counted in ``vllm:kvprefetch_saves_skipped_total{reason}``.
 * ``tier_events``: publish the tiers' chunks (DRAM as ``CPU``, disk and the shared tier as ``STORAGE``) on vLLM's
   KV-event stream when vLLM publishes one (default true); false: only vLLM's own GPU blocks, what a router fed by
   engine events alone sees.
@@ -68,6 +74,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationErro
 
 from kvprefetch.config import ConfigError, StoreConfig, _explain
 from kvprefetch.modes import LoadMode
+from kvprefetch.vllm.admission import SavePolicy
 
 DEFAULT_CHUNK_TOKENS = 256
 
@@ -101,6 +108,13 @@ class ConnectorSettings(BaseModel):
     )
     layerwise: bool = Field(default=True, description="Load layer by layer inside the forward pass (default true).")
     save: bool = Field(default=True, description="Save new whole chunks to the store (default true).")
+    save_policy: SavePolicy = Field(
+        default="seen",
+        description="seen (default: a prefix's chunks are saved from the second time its leading chunk is seen, or "
+        "when a warm-up, a lease on finish, a hit or the request's kv_transfer_params {\"save\": true} signal "
+        "reuse), probation (as seen, but a prefix seen once is put into DRAM only, not to disk) or all (every "
+        "request's chunks, to DRAM and disk).",
+    )
     metrics_port: int | None = Field(
         default=None, ge=1, le=65535, description="Serve Prometheus metrics on this port (scheduler process)."
     )

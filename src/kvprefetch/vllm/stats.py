@@ -20,6 +20,8 @@ Metric names (all labelled with vLLM's ``model_name`` and ``engine``; counters g
   late / evicted / cancelled, loaded / recomputed-because-slower chunks, load errors, saves);
 * ``vllm:kvprefetch_untiered_requests{reason}``: requests served without the tiers because their identity (a
   LoRA adapter, multimodal items, ...) could not be keyed (`kvprefetch.vllm.identity.UNTIERED_REASONS`);
+* ``vllm:kvprefetch_saves_skipped{reason}``: whole chunks not saved, by why (``save_policy`` and the request's
+  own wish: `kvprefetch.vllm.admission.SKIP_REASONS`);
 * ``vllm:kvprefetch_hit_tokens{tier}``: prompt tokens the engine loaded from each tier (dram, disk, remote);
   vLLM's own ``vllm:prompt_tokens_cached_by_source{source=host|disk|external_unspecified}`` gets the same split
   (``get_external_cache_hit_sources``);
@@ -39,9 +41,17 @@ from typing import Any
 
 from kvprefetch.io.engine import IOClass
 from kvprefetch.tiers.errors import ErrorKind
+from kvprefetch.vllm.admission import SKIP_REASONS
 from kvprefetch.vllm.compat import CacheHitSource, KVConnectorPromMetrics, KVConnectorStats, PromMetric, PromMetricT
 from kvprefetch.vllm.identity import UNTIERED_REASONS
-from kvprefetch.vllm.metrics import COUNTERS, HIT_TIERS, ConnectorCounters, hit_counter, untiered_counter
+from kvprefetch.vllm.metrics import (
+    COUNTERS,
+    HIT_TIERS,
+    ConnectorCounters,
+    hit_counter,
+    saves_skipped_counter,
+    untiered_counter,
+)
 from kvprefetch.vllm.settings import parse_extra_config
 
 PREFIX = "vllm:kvprefetch_"
@@ -61,7 +71,8 @@ VLLM_SOURCE: dict[str, CacheHitSource] = {
 # Counters exported as one labelled metric each (`KVPrefetchPromMetrics`): counter name -> label value.
 _HIT_NAMES = {hit_counter(t): t for t in HIT_TIERS}
 _UNTIERED_NAMES = {untiered_counter(r): r for r in UNTIERED_REASONS}
-_LABELLED = _HIT_NAMES.keys() | _UNTIERED_NAMES.keys()
+_SKIPPED_NAMES = {saves_skipped_counter(r): r for r in SKIP_REASONS}
+_LABELLED = _HIT_NAMES.keys() | _UNTIERED_NAMES.keys() | _SKIPPED_NAMES.keys()
 # The log line's short names, in order (hit tokens per tier and read bytes per tier follow them).
 SECTIONS = ("counters", "io", "errors")
 LOG_KEYS: tuple[tuple[str, str], ...] = (
@@ -241,6 +252,12 @@ class KVPrefetchPromMetrics(KVConnectorPromMetrics):
             "could not be keyed.",
             labelnames=[*labelnames, "reason"],
         )
+        self._skipped = self._counter_cls(
+            name=PREFIX + "saves_skipped",
+            documentation="Whole chunks kvprefetch did not save, by why: unseen (save_policy seen, the first time "
+            "their prefix was seen), request (kv_transfer_params save false).",
+            labelnames=[*labelnames, "reason"],
+        )
         self._io = {
             f: self._counter_cls(name=PREFIX + suffix, documentation=doc, labelnames=[*labelnames, "tier", "cls"])
             for f, (suffix, doc) in IO_FIELDS.items()
@@ -260,6 +277,8 @@ class KVPrefetchPromMetrics(KVConnectorPromMetrics):
                 self._hits.labels(*values, tier)
             for reason in UNTIERED_REASONS:
                 self._untiered.labels(*values, reason)
+            for reason in SKIP_REASONS:
+                self._skipped.labels(*values, reason)
             for metric in self._io.values():
                 for tier, cls in io_series:
                     metric.labels(*values, tier, cls)
@@ -277,6 +296,8 @@ class KVPrefetchPromMetrics(KVConnectorPromMetrics):
                 self._hits.labels(*values, _HIT_NAMES[name]).inc(n)
             elif name in _UNTIERED_NAMES:
                 self._untiered.labels(*values, _UNTIERED_NAMES[name]).inc(n)
+            elif name in _SKIPPED_NAMES:
+                self._skipped.labels(*values, _SKIPPED_NAMES[name]).inc(n)
             elif name in self._counters:
                 self._counters[name].labels(*values).inc(n)
         for key, fields in stats.data["io"].items():

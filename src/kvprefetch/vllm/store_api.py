@@ -111,8 +111,9 @@ class WorkerStore(Protocol):
         """Copy the leading hits into buffers (reading below DRAM as needed); how many were copied."""
         ...
 
-    def put(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> Future[Any]:
-        """Store chunks in DRAM now; the future resolves once they are written back."""
+    def put(self, keys: Sequence[bytes], buffers: Sequence[Any], write_back: bool = True) -> Future[Any]:
+        """Store chunks in DRAM now; the future resolves once they are written back (``write_back`` False: DRAM
+        only, resolved at once)."""
         ...
 
     def flush(self, timeout: float | None = None) -> bool:

@@ -490,7 +490,7 @@ class Saver(_RankPart):
             if stage.device.type != "cpu":
                 stage = stage.cpu()
             self._blocks_free(job)  # the blocks are no longer needed once their pages are copied out
-            fut = self.store.put(keys, [stage[i].numpy() for i in range(len(keys))])
+            fut = self.store.put(keys, [stage[i].numpy() for i in range(len(keys))], write_back=job.write_back)
             fut.add_done_callback(self._log_writeback)
             self.counters.inc("worker_saved_chunks", len(keys))
             self.telemetry.saved(len(keys), len(keys) * self.geo.chunk_bytes)
