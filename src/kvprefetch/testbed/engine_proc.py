@@ -688,7 +688,8 @@ def op_geometry(child: EngineChild, req: P.Geometry) -> P.GeometryReply:
     spec = c.spec
     return P.GeometryReply(chunk_bytes=spec.geo.chunk_bytes * spec.namespace.tp_size, tp_size=spec.namespace.tp_size,
                            chunk_tokens=spec.chunk_tokens, block_size=spec.block_size,
-                           chunk_tokens_configured=spec.settings.chunk_tokens)  # fmt: skip
+                           chunk_tokens_configured=spec.settings.chunk_tokens,
+                           kv_cache_groups=[g.kind for g in spec.groups.groups])  # fmt: skip
 
 
 def op_chunk_keys(child: EngineChild, req: P.ChunkKeys) -> P.KeysReply:

@@ -86,6 +86,9 @@ class GeometryReply(_Reply):
     chunk_tokens: int | None
     block_size: int | None
     chunk_tokens_configured: int | None = None
+    # the kind of each of the engine's KV cache groups, as the connector serves them (one unless vLLM's hybrid KV
+    # cache manager is on and the model mixes kinds of attention)
+    kv_cache_groups: list[str] | None = None
 
 
 class Bandwidth(_Reply):

@@ -44,6 +44,8 @@ COUNTERS: dict[str, str] = {
     "saved_chunks": "Whole chunks planned for saving to the store.",
     "worker_saved_chunks": "Chunks copied out of the engine into the store by the workers.",
     "save_errors": "Save jobs that failed (the chunks are simply not cached).",
+    "window_unsaved_chunks": "Chunks not saved because a sliding-window group's blocks a hit ending there needs "
+    "were already freed (their tokens came from vLLM's own prefix cache, which keeps only the window).",
     "leases_granted": "Leases granted (lease on finish, warm-up calls).",
     "leases_used": "Leases ended early because a request that loads all of their chunks arrived.",
     "leases_expired": "Leases that reached their ttl unused.",

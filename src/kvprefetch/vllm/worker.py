@@ -23,7 +23,12 @@ part of every chunk, under its rank's keys (``job.keys[rank]``).
   waits for a worker's reply, so only a wait there frees its core), and the worker waits a few ms at most for
   an async load to finish, so that the step reports it.
 * A chunk that fails to load is a miss: its blocks go to ``get_block_ids_with_load_errors`` and vLLM
-  recomputes them. Each failure cause is logged once.
+  recomputes them; a model with several KV cache groups (whose loads are all async) reports the request as a
+  failed load instead (``failed_recving``: vLLM cannot map a block id back to its group), and vLLM computes its
+  prompt. Each failure cause is logged once.
+* A model with several KV cache groups has sliding-window groups whose blocks vLLM frees as the request moves
+  past them, and reuses in the next step: a step starts only once the saves of the last one have copied their
+  blocks out (`Saver.wait_all`), so a save never reads a block that another request's forward writes.
 """
 
 from __future__ import annotations
@@ -229,6 +234,8 @@ class Loader(_RankPart):
         self._inflight = 0
         self._done_recv: list[tuple[str, set[int]]] = []
         self._errors: set[int] = set()
+        self.fail_requests = self.kv.num_groups > 1  # report a failed async load as its request (module docstring)
+        self._failed: set[str] = set()
         self._settled: set[str] = set()
         self._cancelled: set[str] = set()
         self._active: dict[str, _AsyncLoad] = {}  # requests with an async load on this worker
@@ -434,10 +441,19 @@ class Loader(_RankPart):
     def finished_recving(self) -> set[str]:
         with self._lock:
             recv = {rid for rid, _ in self._done_recv}
-            for _, errs in self._done_recv:
-                self._errors |= errs
+            for rid, errs in self._done_recv:
+                if errs and self.fail_requests:
+                    self._failed.add(rid)
+                else:
+                    self._errors |= errs
             self._done_recv = []
         return recv
+
+    def take_failed(self) -> set[str]:
+        """Requests whose async load failed, reported finished already (`fail_requests`)."""
+        with self._lock:
+            failed, self._failed = self._failed, set()
+        return failed
 
     def take_errors(self) -> set[int]:
         with self._lock:
@@ -474,6 +490,13 @@ class Saver(_RankPart):
                 self._by_req.setdefault(job.req_id, set()).add(job.job_id)
                 self._futs[job.job_id] = self._pool.submit(self._save, job)
         self._await.update(meta.await_saves)
+
+    def wait_all(self) -> None:
+        """Until every save submitted so far has copied its blocks out (their blocks may be reused now)."""
+        with self._lock:
+            futs = list(self._futs.values())
+        for f in futs:
+            f.result()
 
     def wait_for(self, rid: str) -> None:
         """Until the request's saves have copied its blocks out (it was preempted: they may be reused)."""
@@ -545,9 +568,12 @@ class WorkerSide:
         open_store: Callable[[int], ConnectorStore],
         counters: ConnectorCounters,
         layerwise: bool = True,
+        layer_groups: Sequence[int] | None = None,
     ):
+        """``layer_names`` in chunk order; ``layer_groups``: each layer's KV cache group position (None: one)."""
         self.rank = rank
         self.layer_names = list(layer_names)
+        self.group_of = dict(zip(self.layer_names, layer_groups or [0] * len(self.layer_names), strict=True))
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens
@@ -564,7 +590,8 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = [n for n in self.layer_names if n in kv_caches] or list(kv_caches)
         self.layer_index = {n: i for i, n in enumerate(names)}
-        kv = PagedKV([kv_caches[n] for n in names], self.num_blocks, self.block_size)
+        kv = PagedKV([kv_caches[n] for n in names], self.num_blocks, self.block_size,
+                     [self.group_of.get(n, 0) for n in names])  # fmt: skip
         geo = kv.geometry(self.chunk_tokens)
         pin = kv.device.type == "cuda"
         self.store = self.open_store(geo.chunk_bytes)
@@ -577,14 +604,23 @@ class WorkerSide:
         """Before the forward: start this step's async loads now, so they overlap the forward and can be
         reported finished at the end of this very step (vLLM itself would start them after the forward)."""
         self._t_bind = time.perf_counter()
-        if self.loader is not None and (meta.loads or meta.settled or meta.cancel_loads or meta.release_loads):
+        if self.loader is None:
+            return
+        # (several groups: a save's blocks may be reused by this step's forward, which may run before start_load_kv)
+        if self.loader.kv.num_groups > 1 or meta.loads or meta.settled or meta.cancel_loads or meta.release_loads:
             self.handle_preemptions(meta)  # an async load may write blocks a preempted request's save still reads
             self.loader.start_async(meta)
 
     def handle_preemptions(self, meta: KVPrefetchMetadata) -> None:
-        if self.saver is not None:
-            for rid in meta.preempted:
-                self.saver.wait_for(rid)
+        """Before anything of the step writes blocks: the saves that read blocks vLLM may have handed on have
+        copied them out (a preempted request's; with several KV cache groups every save: the module docstring)."""
+        if self.saver is None:
+            return
+        if self.loader is not None and self.loader.kv.num_groups > 1:
+            self.saver.wait_all()
+            return
+        for rid in meta.preempted:
+            self.saver.wait_for(rid)
 
     def start_load_kv(self, meta: KVPrefetchMetadata) -> None:
         if self.loader is None:
@@ -614,6 +650,9 @@ class WorkerSide:
         recv = self.loader.finished_recving()
         sending = self.saver.finished_sending()
         return (sending or None), (recv or None)
+
+    def take_failed_loads(self) -> set[str]:
+        return self.loader.take_failed() if self.loader is not None else set()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errs = self.loader.take_errors() if self.loader is not None else set()
