@@ -123,6 +123,11 @@ class Engines:
             if name == "hybrid_reference":
                 return hybrid
             return hybrid | {"kv_transfer_config": transfer_config(extra_config(self.disk_dir / "hybrid", self.pools))}
+        if name.startswith("mla"):
+            # The packaged MLA model (DeepSeek V2's latent KV, `tiny_hybrid`) at tensor parallelism 2 (one core per
+            # rank): every rank holds the same latent KV, stored once. A disk tier of its own.
+            mla = base | {"model": self.packaged_dir("kvprefetch-tiny-mla"), "engine_args": {"tensor_parallel_size": 2}}
+            return mla | {"kv_transfer_config": transfer_config(extra_config(self.disk_dir / "mla", self.pools))}
         if name == "sync_slow_disk":
             # ondemand-sync (prefetch off, the step waits for loads) over a disk throttled to 4 MB/s (a 1 MiB chunk
             # takes 250 ms to read; the tiny model recomputes it in ~50 ms). The connector starts out believing

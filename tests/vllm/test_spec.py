@@ -171,3 +171,25 @@ def test_a_group_it_cannot_serve_is_refused_at_start_by_its_kind(tmp_path):
                             layer_names=["l.3.mixer"])  # fmt: skip
     with pytest.raises(NotImplementedError, match="group 2 of kind 'mamba'"):
         connector_spec(vllm_config, KVConnectorRole.SCHEDULER, hybrid_cache_config(mamba))
+
+
+def test_mla_at_tp2_is_one_copy_for_every_rank(tmp_path, monkeypatch):
+    """MLA's latent KV is the same on every rank: every rank keys its chunks as rank 0 (one copy on disk, loaded by
+    all); a model whose ranks hold other heads keeps a part per rank."""
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    import kvprefetch.vllm.spec as spec_mod
+    from kvprefetch.vllm.compat import KVConnectorRole
+
+    monkeypatch.setattr(spec_mod, "_tp_rank", lambda: 1)
+    vllm_config, per_head = vllm_configs(tmp_path, "unused", chunk_tokens=32, tp_size=2)
+    latent = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32)
+    mla = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=latent, layer_names=["l.0", "l.1"])],
+                          num_blocks=32)  # fmt: skip
+    sched = spec_mod.connector_spec(vllm_config, KVConnectorRole.SCHEDULER, mla)
+    worker = spec_mod.connector_spec(vllm_config, KVConnectorRole.WORKER, mla)
+    assert sched.replicated and worker.replicated and worker.rank == 1 and worker.namespace.tp_rank == 0
+    assert worker.keyer.keys(list(range(64))) == sched.keyer.keys(list(range(64)))
+    heads = spec_mod.connector_spec(vllm_config, KVConnectorRole.WORKER, per_head)
+    assert not heads.replicated and heads.namespace.tp_rank == 1

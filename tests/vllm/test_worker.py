@@ -367,3 +367,25 @@ def test_shutdown_does_not_wait_for_a_load_parked_on_a_prefetch_that_will_never_
     threading.Thread(target=lambda: (worker.shutdown(), done.set()), daemon=True).start()
     assert done.wait(10), "shutdown hung on the parked load"
     assert connector_threads() - before == set()
+
+
+def test_a_rank_of_a_replicated_model_loads_the_one_copy_and_saves_nothing(stores, workers):
+    """MLA at TP > 1 (`ConnectorSpec.replicated`): a job has one part, every rank's; rank 1 loads it and leaves the
+    saving to rank 0 (it reports no save done: the scheduler counts rank 0's alone)."""
+    store = stores()
+    saver, layers = workers(store)  # rank 0 writes the copy
+    step(saver, KVPrefetchMetadata(saves=[SaveJob(1, "a", [KEYS[:1]], [[0, 1]])], step_tokens=8))
+    assert saver.flush(10)
+    kv1 = {f"model.layers.{i}.attn": torch.zeros(NUM_BLOCKS, HEADS, BLOCK, DIM) for i in range(LAYERS)}
+    rank1 = WorkerSide(1, list(kv1), NUM_BLOCKS, BLOCK, CHUNK_TOKENS, lambda _chunk_bytes: store,
+                       ConnectorCounters("worker"), replicated=True)  # fmt: skip
+    rank1.register_kv_caches(kv1)
+    try:
+        step(rank1, KVPrefetchMetadata(loads=[LoadJob("r", [KEYS[:1]], [[4, 5]], is_async=False)]))
+        assert same_blocks(layers, [0, 1], list(kv1.values()), [4, 5])
+        step(rank1, KVPrefetchMetadata(saves=[SaveJob(2, "r", [KEYS[1:2]], [[4, 5]])], step_tokens=8))
+        assert rank1.flush(10) and store.lookup(KEYS[1:2]).num_hit_chunks == 0
+        meta = rank1.build_worker_meta()
+        assert meta is not None and not meta.saves_done and meta.ranks[1]["loaded_chunks"] == 1
+    finally:
+        rank1.shutdown()

@@ -37,6 +37,9 @@ SKIP = -1  # a block id a load leaves alone (`PagedKV.scatter_*`: already on the
 # Kinds whose every block before a position is read by it, and kinds that read only a window before it.
 EVERY_BLOCK_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 WINDOWED_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
+# Kinds whose KV is the same on every tensor-parallel rank: MLA's one latent vector per token, shared by every head
+# (vLLM replicates it on each rank). Such a model's chunk is stored once for all ranks (`KVGroups.replicated`).
+REPLICATED_KINDS = frozenset({"mla_attention", "sliding_window_mla"})
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,11 @@ class KVGroups:
     @property
     def hybrid(self) -> bool:
         return len(self.groups) > 1
+
+    @property
+    def replicated(self) -> bool:
+        """Every rank holds the same KV (MLA): one copy serves them all, keyed without the rank."""
+        return all(g.kind in REPLICATED_KINDS for g in self.groups)
 
     def describe(self) -> str:
         """The groups' structure, for the namespace's layout tag (only a hybrid model's tag carries it, so a

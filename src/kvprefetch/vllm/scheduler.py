@@ -249,21 +249,23 @@ class SchedulerSide:
         clock: Callable[[], float] = time.monotonic,
         events: TierEvents | None = None,
         groups: KVGroups | None = None,
+        replicated: bool = False,
     ):
         """``keyer``: any rank's keyer (every rank's is derived from it); ``chunk_bytes``: one rank's part of a
         chunk (what one key holds: every group's layers); ``events``: the KV events' notes of every chunk keyed
         (``--kv-events-config``); ``groups``: the model's KV cache groups (None: one full-attention group), whose
-        block ids ``get_block_ids`` and vLLM's allocations give, one list per group."""
+        block ids ``get_block_ids`` and vLLM's allocations give, one list per group; ``replicated``: every rank holds
+        the same KV (MLA): one part per chunk, under ``keyer``'s (rank 0's) keys, for every rank."""
         self.settings = settings
-        self.keyers = keyer.rank_keyers()
-        self.tp_size = len(self.keyers)
+        self.keyers = [keyer] if replicated else keyer.rank_keyers()
+        self.tp_size = len(self.keyers)  # parts of a chunk (each under keys of its own), and savers reporting each
         self.store = store
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
         self.chunk_tokens = keyer.chunk_tokens
         self.chunk_bytes = chunk_bytes
         self.counters = counters
-        self.rank_counters = RankCounters(self.tp_size)
+        self.rank_counters = RankCounters(keyer.namespace.tp_size)
         self.get_block_ids = get_block_ids
         self.groups = groups if groups is not None else KVGroups.single((), block_size)
         self.clock = clock

@@ -44,6 +44,9 @@ class ConnectorSpec:
     namespace: KVNamespace
     keyer: ChunkKeyer
     engine_id: str | None  # vLLM's engine id: names the warm-up API's socket
+    # Every rank holds the same KV (MLA at TP > 1, `KVGroups.replicated`): one copy of a chunk, under rank 0's keys,
+    # serves every rank: each loads it, rank 0 alone saves it.
+    replicated: bool = False
     kv_events: bool = False  # vLLM publishes KV events (--kv-events-config) and the tiers' go with them (`events`)
     hash_algo: str = "sha256"  # vLLM's prefix-caching hash function (the KV events' hash space)
 
@@ -74,11 +77,13 @@ def connector_spec(vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any
     is_scheduler = role == KVConnectorRole.SCHEDULER
     tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
     rank = 0 if is_scheduler or tp_size == 1 else _tp_rank()
-    namespace = namespace_for(vllm_config, attention, len(groups.layer_names), settings, rank, groups)
+    replicated = tp_size > 1 and groups.replicated
+    key_rank = 0 if replicated else rank
+    namespace = namespace_for(vllm_config, attention, len(groups.layer_names), settings, key_rank, groups)
     keyer = ChunkKeyer(namespace, chunk_tokens)
     events = getattr(vllm_config, "kv_events_config", None)
     return ConnectorSpec(settings, is_scheduler, groups, geo, rank, namespace, keyer,
-                         getattr(transfer, "engine_id", None),
+                         getattr(transfer, "engine_id", None), replicated,
                          bool(events and events.enable_kv_cache_events and settings.tier_events),
                          str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")))  # fmt: skip
 
@@ -130,16 +135,18 @@ def build_scheduler(
     events = _tier_events(spec, store) if spec.kv_events else None
     side = SchedulerSide(settings, spec.keyer, store, block_size=geo.block_size,
                          blocks_per_chunk=geo.blocks_per_chunk, chunk_bytes=geo.chunk_bytes, counters=counters,
-                         get_block_ids=get_block_ids, events=events, groups=spec.groups)  # fmt: skip
+                         get_block_ids=get_block_ids, events=events, groups=spec.groups,
+                         replicated=spec.replicated)  # fmt: skip
     reporter = Reporter(
         counters, store.stats, interval_s=settings.log_interval_s,
         metrics_dir=settings.metrics_dir, metrics_port=settings.metrics_port, serve=True,
     )  # fmt: skip
     warm_server = start_warm_server(spec.engine_id, side)
     log.info(
-        "kvprefetch: scheduler side up (chunk_tokens %d%s = %d B per rank x %d ranks, prefetch %s, "
+        "kvprefetch: scheduler side up (chunk_tokens %d%s = %d B per rank x %d ranks%s, prefetch %s, "
         "load_mode %s, namespace %s)",
         spec.chunk_tokens, _configured(spec), geo.chunk_bytes, spec.namespace.tp_size,
+        " (one copy: every rank holds the same KV)" if spec.replicated else "",
         "on" if settings.prefetch else "off", settings.load_mode, spec.namespace.short_id,
     )  # fmt: skip
     return SchedulerHalf(side, store, reporter, warm_server, events)
@@ -174,7 +181,7 @@ def build_worker(spec: ConnectorSpec, counters: ConnectorCounters, kv_cache_conf
 
     return WorkerSide(spec.rank, spec.layer_names, num_blocks_of(kv_cache_config), spec.block_size, spec.chunk_tokens,
                       open_checked, counters, layerwise=spec.settings.layerwise,
-                      layer_groups=spec.groups.layer_groups)  # fmt: skip
+                      layer_groups=spec.groups.layer_groups, replicated=spec.replicated)  # fmt: skip
 
 
 def whole_blocks(chunk_tokens: int, block_size: int, max_model_len: int | None) -> int:

@@ -212,6 +212,17 @@ class _RankPart:
                  telemetry: Telemetry, warn: Callable[[str, str], None]):  # fmt: skip
         self.rank, self.kv, self.geo, self.store = rank, kv, geo, store
         self.counters, self.telemetry, self.warn = counters, telemetry, warn
+        self.replicated = False  # every rank holds the same KV (MLA): the job's one part is every rank's
+
+    @property
+    def key_rank(self) -> int:
+        """Whose part of a job's chunks this rank copies (``job.keys[key_rank]``)."""
+        return 0 if self.replicated else self.rank
+
+    @property
+    def saves(self) -> bool:
+        """Whether this rank saves: each rank its own part, or rank 0 alone the part every rank shares."""
+        return not self.replicated or self.rank == 0
 
     def shares(self) -> tuple:
         """The constructor's arguments: what another part of the same worker shares with this one."""
@@ -223,6 +234,7 @@ class Loader(_RankPart):
 
     def __init__(self, part: _RankPart, layerwise: bool, pin: bool):
         super().__init__(*part.shares())
+        self.replicated = part.replicated
         self.layerwise = layerwise
         self.load_stage = _Staging(self.geo.chunk_bytes, pin)
         self._aload_stage = _Staging(self.geo.chunk_bytes, pin)
@@ -249,7 +261,7 @@ class Loader(_RankPart):
     def sources(self, job: LoadJob, stack: contextlib.ExitStack, stage: torch.Tensor) -> list[torch.Tensor]:
         """Flat uint8 sources for the job's leading loadable chunks: zero-copy pinned views of the DRAM pool
         where the chunks are there (held until ``stack`` exits), the staging buffer for the rest."""
-        keys = job.keys[self.rank]
+        keys = job.keys[self.key_rank]
         n = len(keys)
         views: list = []
         try:
@@ -396,7 +408,7 @@ class Loader(_RankPart):
         job = load.job
         rid = job.req_id
         copy_s = 0.0
-        for i, key in enumerate(job.keys[self.rank]):
+        for i, key in enumerate(job.keys[self.key_rank]):
             t_wait = time.perf_counter()
             while True:
                 with self._lock:
@@ -476,6 +488,7 @@ class Saver(_RankPart):
 
     def __init__(self, part: _RankPart, pin: bool):
         super().__init__(*part.shares())
+        self.replicated = part.replicated
         self._stage = _Staging(self.geo.chunk_bytes, pin)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvprefetch-save",
                                         initializer=pinned_initializer(self.store.config.io.cpus))
@@ -485,7 +498,7 @@ class Saver(_RankPart):
         self._await: set[str] = set()
 
     def submit(self, meta: KVPrefetchMetadata) -> None:
-        for job in meta.saves:
+        for job in meta.saves if self.saves else ():
             with self._lock:
                 self._by_req.setdefault(job.req_id, set()).add(job.job_id)
                 self._futs[job.job_id] = self._pool.submit(self._save, job)
@@ -506,7 +519,7 @@ class Saver(_RankPart):
             f.result()
 
     def _save(self, job: SaveJob) -> None:
-        keys = job.keys[self.rank]
+        keys = job.keys[self.key_rank]
         try:
             stage = self._stage.get(len(keys))
             self.kv.gather_into(job.block_ids, stage, self.geo)
@@ -569,8 +582,11 @@ class WorkerSide:
         counters: ConnectorCounters,
         layerwise: bool = True,
         layer_groups: Sequence[int] | None = None,
+        replicated: bool = False,
     ):
-        """``layer_names`` in chunk order; ``layer_groups``: each layer's KV cache group position (None: one)."""
+        """``layer_names`` in chunk order; ``layer_groups``: each layer's KV cache group position (None: one);
+        ``replicated``: every rank holds the same KV (MLA), stored once under rank 0's keys (`ConnectorSpec`)."""
+        self.replicated = replicated
         self.rank = rank
         self.layer_names = list(layer_names)
         self.group_of = dict(zip(self.layer_names, layer_groups or [0] * len(self.layer_names), strict=True))
@@ -596,6 +612,7 @@ class WorkerSide:
         pin = kv.device.type == "cuda"
         self.store = self.open_store(geo.chunk_bytes)
         part = _RankPart(self.rank, kv, geo, self.store, self.counters, self.telemetry, _episode_warner())
+        part.replicated = self.replicated
         self.loader = Loader(part, self.layerwise, pin)
         self.saver = Saver(part, pin)
 
