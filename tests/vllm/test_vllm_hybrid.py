@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 
 from test_vllm_exactness import TOL
 
-from conftest import CHUNK, DRAM_CHUNKS, prompt
+from conftest import CHUNK, DRAM_CHUNKS, corrupt_disk_tier, prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -86,10 +86,13 @@ def test_hybrid_hit_ending_inside_the_prompt(engines):
     assert d["loaded_chunks"] == 2 and d["load_error_chunks"] == 0
 
 
+Q = prompt(3003, 4 * CHUNK - 4)
+
+
 def test_hybrid_hit_through_a_chunk_saved_while_decoding(engines):
     """A prompt 4 tokens short of four chunks: its fourth chunk completes while decoding and is saved then; the next
     turn (prompt + answer + more) loads all four."""
-    q = prompt(3003, 4 * CHUNK - 4)
+    q = Q
     out, d = run(engines, q)
     assert d["saved_chunks"] == 4
     assert engines.get("hybrid").flush()
@@ -105,3 +108,12 @@ def test_hybrid_disk_hit(engines):
     assert e.flush()
     _, d = run(engines, P)
     assert d["loaded_chunks"] == 4 and d["hit_tokens_disk"] > 0 and d["load_error_chunks"] == 0
+
+
+def test_hybrid_failed_load_is_computed_by_vllm(engines, disk_dir):
+    """Q's chunks are on disk only now (the fillers above evicted them from DRAM): damaged there, the load fails
+    and is reported as a failed request (vLLM takes no failed block ids from a model with several KV cache
+    groups); vLLM computes the prompt, exactly."""
+    assert corrupt_disk_tier(disk_dir / "hybrid") > 0
+    _, d = run(engines, Q + prompt(3005, 40))
+    assert d["loaded_chunks"] == 0 or d["load_error_chunks"] > 0
