@@ -46,6 +46,7 @@ def test_a_chunk_is_saved_only_with_its_windows_tail_resident():
 
 def test_block_ids_per_group():
     assert per_group([1, 2]) == ([1, 2],) and per_group(([1], [2])) == ([1], [2]) and per_group([]) == ()
+    assert GROUPS.tables([]) == ([], []) and GROUPS.tables(([1], [2])) == ([1], [2])  # none given: empty lists
 
 
 def test_a_kind_it_cannot_serve_is_refused_by_name():

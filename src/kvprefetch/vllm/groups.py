@@ -102,6 +102,11 @@ class KVGroups:
         return tuple((g.index, g.kind) for g in self.groups)
 
     # ---- a chunk's block ids --------------------------------------------------------------------------------
+    def tables(self, block_ids: Sequence[int] | Sequence[Sequence[int]]) -> tuple[list[int], ...]:
+        """A request's block ids as one list per group (`per_group`), a group vLLM gave none for as empty."""
+        tables = per_group(block_ids)
+        return tables + ([],) * (len(self.groups) - len(tables))
+
     def _block(self, ids: Sequence[int], b: int) -> int:
         return int(ids[b]) if b < len(ids) else NULL_BLOCK
 

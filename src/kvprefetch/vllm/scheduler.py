@@ -62,7 +62,7 @@ from kvprefetch.episodes import EpisodeLog
 from kvprefetch.keys import ChunkKeyer
 from kvprefetch.tiers.chunk_format import image_bytes
 from kvprefetch.vllm.costmodel import CostModel, TierMeter
-from kvprefetch.vllm.groups import KVGroups, per_group
+from kvprefetch.vllm.groups import KVGroups
 from kvprefetch.vllm.identity import UNTIERED_REASONS, Identity, Untiered, request_identity
 from kvprefetch.vllm.leases import Lease, Leases
 from kvprefetch.vllm.metadata import KVPrefetchMetadata, KVPrefetchWorkerMeta, LoadJob, SaveJob
@@ -676,7 +676,7 @@ class SchedulerSide:
             st.hit_tokens[plan.tiers[c]] = st.hit_tokens.get(plan.tiers[c], 0) + n
         for tier, n in st.hit_tokens.items():
             self.counters.inc(hit_counter(tier), n)
-        tables, end = per_group(block_ids), k * self.chunk_tokens
+        tables, end = self.groups.tables(block_ids), k * self.chunk_tokens
         per_chunk = [self.groups.load_ids(tables, c, self.blocks_per_chunk, start_tok, end) for c in range(first, k)]
         job = LoadJob(request.request_id, st.chunk_keys(first, k), per_chunk, plan.is_async,
                       on_disk=plan.below_dram)  # fmt: skip
@@ -833,7 +833,7 @@ class SchedulerSide:
             st.saved_chunks = full
             if first >= full or self.get_block_ids is None:
                 continue
-            tables, per = per_group(self.get_block_ids(rid)), self.blocks_per_chunk
+            tables, per = self.groups.tables(self.get_block_ids(rid)), self.blocks_per_chunk
             if any(len(t) < full * per for t in tables):
                 continue
             chunks = [(c, ids) for c in range(first, full) if (ids := self.groups.save_ids(tables, c, per)) is not None]
