@@ -119,10 +119,13 @@ class Engines:
         if name.startswith("hybrid"):
             # The packaged sliding-window hybrid (`tiny_hybrid`, 4 KV cache groups: 3 sliding-window layers with a
             # 96-token window, 1 full-attention layer), vLLM's hybrid KV cache manager on; a disk tier of its own.
+            # With the connector, vLLM's own prefix cache is on (as `serve` and the bench run it; the tests empty it
+            # where a hit must come from the connector); the reference computes every prompt.
             hybrid = base | {"model": self.packaged_dir("kvprefetch-tiny-hybrid")}
             if name == "hybrid_reference":
                 return hybrid
-            return hybrid | {"kv_transfer_config": transfer_config(extra_config(self.disk_dir / "hybrid", self.pools))}
+            extra = extra_config(self.disk_dir / "hybrid", self.pools)
+            return hybrid | {"enable_prefix_caching": True, "kv_transfer_config": transfer_config(extra)}
         if name.startswith("mla"):
             # The packaged MLA model (DeepSeek V2's latent KV, `tiny_hybrid`) at tensor parallelism 2 (one core per
             # rank): every rank holds the same latent KV, stored once. A disk tier of its own.

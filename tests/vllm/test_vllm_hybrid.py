@@ -4,7 +4,9 @@ a 96-token window, 1 full-attention layer; the connector declares `SupportsHMA`)
 
 Every prompt is longer than the window (four 256-token chunks and a tail). Greedy tokens and their logprobs must
 equal vLLM alone with the hybrid manager on, for a miss, a hit from DRAM, a hit ending inside the prompt (a shorter
-shared prefix), a hit through a chunk saved while decoding, and a hit from disk. A chunk holds every group's KV;
+shared prefix), a hit through a chunk saved while decoding, a hit from disk, a load past vLLM's own prefix-cache hit,
+and a failed load. The engine runs with vLLM's prefix cache on, emptied before each request whose KV must come
+from the connector (`run`). A chunk holds every group's KV;
 a load writes the full-attention group's every block and a sliding group's blocks inside the window only (vLLM
 freed the others), and goes between steps (`SchedulerSide._between_steps`).
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvprefetch.testbed.protocol import Completion, CountersReply, Geometry
+from kvprefetch.testbed.protocol import Completion, CountersReply, Geometry, Reset
 
 pytest.importorskip("vllm")
 
@@ -52,8 +54,12 @@ def delta(after: CountersReply, before: CountersReply) -> dict:
     return {k: after.counters[k] - before.counters[k] for k in after.counters}
 
 
-def run(engines, p: list[int], max_tokens: int = 8) -> tuple[Completion, dict]:
+def run(engines, p: list[int], max_tokens: int = 8, own_cache: bool = False) -> tuple[Completion, dict]:
+    """The connector's engine's answer to p, checked against vLLM alone; and its counters' change. vLLM's own
+    prefix cache is emptied first unless ``own_cache``."""
     e = engines.get("hybrid")
+    if not own_cache:
+        assert e.call(Reset(), timeout=60).reset
     before = e.counters()
     out = e.generate([p], max_tokens)[0]
     assert_same(out, reference(engines, p, max_tokens))
@@ -98,6 +104,15 @@ def test_hybrid_hit_through_a_chunk_saved_while_decoding(engines):
     assert engines.get("hybrid").flush()
     _, d = run(engines, q + out.token_ids + prompt(3004, 40))
     assert d["loaded_chunks"] == 4 and d["load_error_chunks"] == 0
+
+
+def test_hybrid_load_past_vllms_own_prefix_cache_hit(engines):
+    """vLLM's prefix cache holds P's first two chunks (a request of those and a tail; every group's, the sliding ones'
+    window before token 512): the connector loads chunks 2 and 3 after them."""
+    _, d = run(engines, P[: 2 * CHUNK] + prompt(3006, 30))
+    assert d["loaded_chunks"] == 2
+    _, d = run(engines, P, own_cache=True)
+    assert d["loaded_chunks"] == 2 and d["load_error_chunks"] == 0
 
 
 def test_hybrid_disk_hit(engines):
