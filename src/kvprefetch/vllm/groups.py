@@ -168,7 +168,8 @@ def served_group(index: int, kind: str, spec: Any, layer_names: Sequence[str], h
         return KVGroup(index, kind, tuple(layer_names))
     raise NotImplementedError(
         f"KVPrefetchConnector cannot serve KV cache group {index} of kind {kind!r} "
-        f"({len(layer_names)} layers, e.g. {layer_names[0] if layer_names else '?'}): it serves "
+        f"({len(layer_names)} layer{'' if len(layer_names) == 1 else 's'}, e.g. "
+        f"{layer_names[0] if layer_names else '?'}): it serves "
         f"{', '.join(sorted(EVERY_BLOCK_KINDS | WINDOWED_KINDS))} groups; state-space/linear-attention and chunked "
         "local attention layers keep state the chunks do not hold"
     )
