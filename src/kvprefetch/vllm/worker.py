@@ -209,10 +209,10 @@ class _RankPart:
     """What both parts of a worker work on: this rank's paged KV and view of the store, and where they report."""
 
     def __init__(self, rank: int, kv: PagedKV, geo: ChunkGeometry, store: WorkerStore, counters: ConnectorCounters,
-                 telemetry: Telemetry, warn: Callable[[str, str], None]):  # fmt: skip
+                 telemetry: Telemetry, warn: Callable[[str, str], None], replicated: bool = False):  # fmt: skip
         self.rank, self.kv, self.geo, self.store = rank, kv, geo, store
         self.counters, self.telemetry, self.warn = counters, telemetry, warn
-        self.replicated = False  # every rank holds the same KV (MLA): the job's one part is every rank's
+        self.replicated = replicated  # every rank holds the same KV (MLA): the job's one part is every rank's
 
     @property
     def key_rank(self) -> int:
@@ -226,7 +226,7 @@ class _RankPart:
 
     def shares(self) -> tuple:
         """The constructor's arguments: what another part of the same worker shares with this one."""
-        return self.rank, self.kv, self.geo, self.store, self.counters, self.telemetry, self.warn
+        return self.rank, self.kv, self.geo, self.store, self.counters, self.telemetry, self.warn, self.replicated
 
 
 class Loader(_RankPart):
@@ -234,7 +234,6 @@ class Loader(_RankPart):
 
     def __init__(self, part: _RankPart, layerwise: bool, pin: bool):
         super().__init__(*part.shares())
-        self.replicated = part.replicated
         self.layerwise = layerwise
         self.load_stage = _Staging(self.geo.chunk_bytes, pin)
         self._aload_stage = _Staging(self.geo.chunk_bytes, pin)
@@ -488,7 +487,6 @@ class Saver(_RankPart):
 
     def __init__(self, part: _RankPart, pin: bool):
         super().__init__(*part.shares())
-        self.replicated = part.replicated
         self._stage = _Staging(self.geo.chunk_bytes, pin)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvprefetch-save",
                                         initializer=pinned_initializer(self.store.config.io.cpus))
@@ -611,8 +609,8 @@ class WorkerSide:
         geo = kv.geometry(self.chunk_tokens)
         pin = kv.device.type == "cuda"
         self.store = self.open_store(geo.chunk_bytes)
-        part = _RankPart(self.rank, kv, geo, self.store, self.counters, self.telemetry, _episode_warner())
-        part.replicated = self.replicated
+        part = _RankPart(self.rank, kv, geo, self.store, self.counters, self.telemetry, _episode_warner(),
+                         self.replicated)  # fmt: skip
         self.loader = Loader(part, self.layerwise, pin)
         self.saver = Saver(part, pin)
 
