@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvprefetch.testbed.protocol import Completion, CountersReply, Geometry, Reset
+from kvprefetch.testbed.protocol import Completion, CoolDram, CountersReply, Geometry, Reset
 
 pytest.importorskip("vllm")
 
 from test_vllm_exactness import TOL
 
-from conftest import CHUNK, DRAM_CHUNKS, corrupt_disk_tier, prompt
+from conftest import CHUNK, corrupt_disk_tier, prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -116,17 +116,13 @@ def test_hybrid_load_past_vllms_own_prefix_cache_hit(engines):
 
 
 def test_hybrid_disk_hit(engines):
-    e = engines.get("hybrid")
-    assert e.flush()
-    for i in range(DRAM_CHUNKS // 4 + 2):  # more than the DRAM tier holds, every chunk written back first
-        e.generate([prompt(3100 + i, LEN)], 1)
-    assert e.flush()
+    engines.get("hybrid").call(CoolDram(), timeout=60)  # every chunk written back, then dropped from DRAM
     _, d = run(engines, P)
     assert d["loaded_chunks"] == 4 and d["hit_tokens_disk"] > 0 and d["load_error_chunks"] == 0
 
 
 def test_hybrid_failed_load_is_computed_by_vllm(engines, disk_dir):
-    """Q's chunks are on disk only now (the fillers above evicted them from DRAM): damaged there, the load fails
+    """Q's chunks are on disk only (`CoolDram` above dropped them from DRAM): damaged there, the load fails
     and is reported as a failed request (vLLM takes no failed block ids from a model with several KV cache
     groups); vLLM computes the prompt, exactly."""
     assert corrupt_disk_tier(disk_dir / "hybrid") > 0
