@@ -2,7 +2,9 @@
 
 Runs in vLLM's scheduler (engine-core) process, where requests arrive. Every tensor-parallel rank holds its own
 part of a chunk (its KV heads) under keys of its own (`ChunkKeyer.rank_keyers`): the scheduler keys, looks up,
-prefetches and holds every rank's chunks, and a chunk is a hit only if every rank has it.
+prefetches and holds every rank's chunks, and a chunk is a hit only if every rank has it. (MLA's KV is the same on
+every rank: one part, rank 0's, serves them all, ``replicated``.) A chunk holds every KV cache group of a hybrid
+model; which of a group's blocks a load writes and a save takes is `kvprefetch.vllm.groups`'.
 
 The life of a request is a small state machine (`Phase`)::
 
