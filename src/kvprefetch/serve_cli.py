@@ -69,7 +69,8 @@ def checked_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
 def serve(
     ctx: typer.Context,
     model: Annotated[str, typer.Argument(help=f"Model name or path, as for `vllm serve` ({TINY}: the shipped "
-                                          "tiny test model, dummy weights, word-level tokenizer).")],
+                                          "tiny test model, dummy weights, word-level tokenizer; also "
+                                          f"{TINY}-hybrid, sliding window, and {TINY}-mla).")],
     config: Annotated[Path | None, typer.Option("--config", "-c", help="kvprefetch YAML (store + connector).")] = None,
     extra: Annotated[str | None, typer.Option("--extra", help="Connector extra config as a JSON object.")] = None,
     sets: Annotated[list[str] | None, typer.Option("--set", help="KEY=VALUE over the config (dotted keys).")] = None,
@@ -80,11 +81,12 @@ def serve(
 
     e.g. `kvprefetch serve meta-llama/Llama-3.1-8B -c kvprefetch.yaml --port 8000 --max-model-len 32768`
     """
-    from kvprefetch.testbed.server import TINY_MODEL_ARGS, server_argv, tiny_model_dir
+    from kvprefetch.testbed.server import TINY_MODEL_ARGS, TINY_MODELS, server_argv, with_word_tokenizer
 
     vllm_args = list(ctx.args)
-    if model == TINY and not Path(TINY).exists():
-        model = str(tiny_model_dir(default_cache_dir() / "tiny-llama"))
+    if model in TINY_MODELS and not Path(model).exists():  # (and the hybrid and MLA ones: kvprefetch-tiny-hybrid, -mla)
+        packaged = TINY_MODELS[model]
+        model = str(with_word_tokenizer(packaged, default_cache_dir() / packaged.name))
         vllm_args = [*TINY_MODEL_ARGS, *vllm_args]
     transfer = None
     if connector:

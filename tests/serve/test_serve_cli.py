@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 
+import pytest
 from tests.clitext import flat
 from typer.testing import CliRunner
 
@@ -43,9 +44,10 @@ def test_a_users_shutdown_timeout_and_no_connector_are_kept():
     assert argv.count("--shutdown-timeout") == 1 and argv[argv.index("--shutdown-timeout") + 1] == "5"
 
 
-def test_the_tiny_model_gets_a_tokenizer_and_dummy_weights(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["kvprefetch-tiny", "kvprefetch-tiny-hybrid", "kvprefetch-tiny-mla"])
+def test_the_tiny_model_gets_a_tokenizer_and_dummy_weights(tmp_path, monkeypatch, name):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    argv = _dry_run("kvprefetch-tiny", "--port", "8002")
+    argv = _dry_run(name, "--port", "8002")
     model = argv[argv.index("--model") + 1]
     assert model != "kvprefetch-tiny" and argv[argv.index("--load-format") + 1] == "dummy"
     from transformers import AutoTokenizer

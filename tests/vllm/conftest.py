@@ -119,6 +119,21 @@ class Engines:
             if name == "vlm_reference":
                 return vlm
             return vlm | {"kv_transfer_config": transfer_config(extra_config(self.disk_dir / "vlm", self.pools))}
+        if name.startswith("hybrid"):
+            # The packaged sliding-window hybrid (`tiny_hybrid`, 4 KV cache groups: 3 sliding-window layers with a
+            # 96-token window, 1 full-attention layer), vLLM's hybrid KV cache manager on; a disk tier of its own.
+            # With the connector, vLLM's own prefix cache is on (as `serve` and the bench run it; the tests empty it
+            # where a hit must come from the connector); the reference computes every prompt.
+            hybrid = base | {"model": self.packaged_dir("kvprefetch-tiny-hybrid")}
+            if name == "hybrid_reference":
+                return hybrid
+            extra = extra_config(self.disk_dir / "hybrid", self.pools)
+            return hybrid | {"enable_prefix_caching": True, "kv_transfer_config": transfer_config(extra)}
+        if name.startswith("mla"):
+            # The packaged MLA model (DeepSeek V2's latent KV, `tiny_hybrid`) at tensor parallelism 2 (one core per
+            # rank): every rank holds the same latent KV, stored once. A disk tier of its own.
+            mla = base | {"model": self.packaged_dir("kvprefetch-tiny-mla"), "engine_args": {"tensor_parallel_size": 2}}
+            return mla | {"kv_transfer_config": transfer_config(extra_config(self.disk_dir / "mla", self.pools))}
         if name == "sync_slow_disk":
             # ondemand-sync (prefetch off, the step waits for loads) over a disk throttled to 4 MB/s (a 1 MiB chunk
             # takes 250 ms to read; the tiny model recomputes it in ~50 ms). The connector starts out believing
@@ -146,6 +161,15 @@ class Engines:
         path = Path(self.model_dir).parent / "vlm"
         if not (path / "config.json").exists():
             make_vlm(str(path))
+        return str(path)
+
+    def packaged_dir(self, name: str) -> str:
+        """A random checkpoint of a packaged tiny model (`tiny_hybrid`), saved once (beside the tests' Llama)."""
+        from tiny_hybrid import make_packaged
+
+        path = Path(self.model_dir).parent / name
+        if not (path / "config.json").exists():
+            make_packaged(name, str(path))
         return str(path)
 
     def get(self, name: str) -> Engine:

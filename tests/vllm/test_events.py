@@ -181,3 +181,19 @@ def test_a_request_with_an_adapter_a_salt_and_prompt_embeddings_is_announced_wit
     b = TierEvents(store, BLOCK, PER, catalog_dir=tmp_path)  # another engine of the node, through the catalog
     b.reconcile()
     assert b.take() == events
+
+
+def test_a_hybrid_models_chunk_is_one_event_per_kv_cache_group():
+    """A chunk holds every group's KV (issue 62): its store and its removal are announced for each group, under
+    the group's index and kind, as vLLM announces its own blocks."""
+    store, req, ks = FakeStore(), request(1), keys(1)
+    ev = TierEvents(store, BLOCK, PER, groups=((0, "sliding_window"), (1, "full_attention")))
+    ev.note(req, ks, 1)
+    store.tiers[ks[0][0]] = "dram"
+    ev.reconcile()
+    stored = ev.take()
+    assert [(e.group_idx, e.kv_cache_spec_kind) for e in stored] == [(0, "sliding_window"), (1, "full_attention")]
+    assert stored[0].block_hashes == stored[1].block_hashes
+    del store.tiers[ks[0][0]]
+    ev.reconcile()
+    assert [(type(e), e.group_idx) for e in ev.take()] == [(BlockRemoved, 0), (BlockRemoved, 1)]

@@ -59,6 +59,31 @@ def test_gather_scatter_round_trip(order, split):
         assert torch.equal(dst2.layers[li][5], src.layers[li][9]) and not dst2.layers[li][0].any()
 
 
+
+def test_each_layer_copies_its_own_groups_blocks():
+    """Several KV cache groups (`kvprefetch.vllm.groups`): a chunk's ids are each group's blocks in turn, and layer
+    li's pages come from its group's (layers 0 and 1 in group 0, layer 2 in group 1)."""
+    src_layers = make_layers("LBHNC")
+    src = PagedKV(src_layers, B, N, layer_groups=[0, 0, 1])
+    dst = PagedKV([torch.zeros_like(t) for t in src_layers], B, N, layer_groups=[0, 0, 1])
+    geo = src.geometry(2 * N)
+    chunks = [[7, 2, 5, 6]]  # group 0: blocks 7, 2; group 1: blocks 5, 6
+    buf = torch.empty((1, geo.chunk_bytes), dtype=torch.uint8)
+    buf2 = torch.empty_like(buf)
+    src.gather(chunks, buf, geo)
+    src.gather_into(chunks, buf2, geo)
+    assert torch.equal(buf, buf2)
+    view = src.chunk_view(buf, geo)
+    assert torch.equal(view[0, 1, 0], src.layers[1][7]) and torch.equal(view[0, 2, 0], src.layers[2][5])
+    with pytest.raises(ValueError, match="per KV cache group"):
+        src.gather([[7, 2]], buf, geo)
+    for li in range(L):  # group 0's first block is not needed (-1), group 1's land in 8, 9
+        dst.scatter_layer(li, buf, [[-1, 3, 8, 9]], geo)
+    assert not dst.layers[0][7].any() and torch.equal(dst.layers[1][3], src.layers[1][2])
+    assert torch.equal(dst.layers[2][8], src.layers[2][5]) and torch.equal(dst.layers[2][9], src.layers[2][6])
+    assert not dst.layers[2][3].any()  # layer 2 took group 1's ids, not group 0's
+
+
 _SIDE_THREAD_COPIES = """
 import os, threading, torch
 from kvprefetch.vllm.layout import PagedKV, chunk_tensor

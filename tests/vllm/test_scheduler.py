@@ -612,3 +612,45 @@ def test_a_request_vllm_never_admits_while_the_engine_computes_nothing_is_answer
     assert side.counters.snapshot()["stalls_released"] == 0, "counted when vLLM admits it on that answer"
     side.update_state_after_alloc(r, [], 0)
     assert side.counters.snapshot()["stalls_released"] == 1
+
+
+def test_a_hybrid_model_loads_a_windows_blocks_between_steps_and_saves_chunks_with_their_window_resident():
+    """Several KV cache groups (`groups`: a sliding group with a 96-token window, a full one): a DRAM hit loads
+    between steps, the sliding group's blocks inside the window before the hit's end only; a request whose first
+    chunks came from vLLM's own prefix cache (the sliding group holds only the window before its end) saves the
+    chunks whose window tail is resident, no others."""
+    from kvprefetch.keys import ChunkKeyer, KVNamespace
+    from kvprefetch.vllm.groups import NULL_BLOCK, SKIP, KVGroup, KVGroups
+    from kvprefetch.vllm.scheduler import SchedulerSide
+
+    groups = KVGroups((KVGroup(0, "sliding_window", ("s",), window=95), KVGroup(1, "full_attention", ("f",))), 128)
+    keyer = ChunkKeyer(KVNamespace(model="m", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32"), 256)
+    store, blocks = FakeStore(), {}
+    side = SchedulerSide(parse_extra_config({"save_policy": "all"}), keyer, store, block_size=128, blocks_per_chunk=2,
+                         chunk_bytes=1000,
+                         counters=ConnectorCounters("scheduler"), get_block_ids=lambda rid: blocks.get(rid, ()),
+                         groups=groups)  # fmt: skip
+    toks = list(range(1100))
+    for k in keyer.keys(toks):
+        store.tiers[k] = "dram"
+    r = req(toks)
+    side.on_new_request(r)
+    assert side.get_num_new_matched_tokens(r, 0) == (1024, True)  # DRAM, yet between steps
+    # vLLM's allocation for 1024 external tokens: the token at 1024 reads 929.., so blocks 0-6 are its null block
+    side.update_state_after_alloc(r, ([NULL_BLOCK] * 7 + [57, 58], list(range(100, 109))), 1024)
+    so = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+                         num_scheduled_tokens={}, total_num_scheduled_tokens=0)
+    (job,) = side.build_connector_meta(so).loads
+    assert job.is_async and job.block_ids[0] == [SKIP, SKIP, 100, 101] and job.block_ids[3] == [SKIP, 57, 106, 107]
+
+    r2 = req(list(range(5000, 6100)))  # vLLM's prefix cache had its first 768 tokens: sliding blocks 0-4 are null
+    side.on_new_request(r2)
+    blocks[r2.request_id] = ([NULL_BLOCK] * 5 + [60, 61, 62, 63], list(range(200, 209)))
+    step = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=r2.request_id, num_computed_tokens=768)],
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+                           num_scheduled_tokens={r2.request_id: 332}, total_num_scheduled_tokens=332)  # fmt: skip
+    (save,) = side.build_connector_meta(step).saves
+    # chunks 0 and 1 lack their window's tail (blocks 1 and 3): not saved; 2 and 3 are, their first block as null
+    assert save.block_ids == [[NULL_BLOCK, 60, 204, 205], [NULL_BLOCK, 62, 206, 207]]
+    assert save.keys == [keyer.keys(list(range(5000, 6100)))[2:4]]
+    assert side.counters.snapshot()["window_unsaved_chunks"] == 2 and side.counters.snapshot()["saved_chunks"] == 2

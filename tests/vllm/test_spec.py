@@ -133,3 +133,63 @@ def test_the_tiers_join_vllms_kv_events_only_when_vllm_publishes_and_tier_events
     vllm_config.kv_transfer_config.kv_connector_extra_config["tier_events"] = tier_events
     vllm_config.kv_events_config = SimpleNamespace(enable_kv_cache_events=published)
     assert connector_spec(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config).kv_events is announced
+
+
+def hybrid_cache_config(*extra_groups):
+    """vLLM's KV cache config of a sliding-window hybrid (real specs): a 20-token window group, a full group."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    kw = {"block_size": 16, "num_kv_heads": 1, "head_size": 8, "dtype": torch.float32}
+    groups = [SimpleNamespace(kv_cache_spec=SlidingWindowSpec(sliding_window=20, **kw), layer_names=["l.0", "l.1"]),
+              SimpleNamespace(kv_cache_spec=FullAttentionSpec(**kw), layer_names=["l.2"]), *extra_groups]  # fmt: skip
+    return SimpleNamespace(kv_cache_groups=groups, num_blocks=32)
+
+
+def test_a_hybrid_spec_holds_every_group_under_keys_of_its_own(tmp_path):
+    from kvprefetch.vllm.compat import KVConnectorRole
+    from kvprefetch.vllm.spec import connector_spec
+
+    vllm_config, one_group = vllm_configs(tmp_path, "unused", chunk_tokens=32)
+    spec = connector_spec(vllm_config, KVConnectorRole.SCHEDULER, hybrid_cache_config())
+    assert spec.layer_names == ("l.0", "l.1", "l.2") and spec.groups.layer_groups == (0, 0, 1)
+    assert [(g.kind, g.window) for g in spec.groups.groups] == [("sliding_window", 19), ("full_attention", None)]
+    assert spec.geo.chunk_bytes == 3 * 2 * 1024  # every group's layers
+    assert "groups=sliding_window/w19x2+full_attentionx1" in spec.namespace.layout
+    assert "groups=" not in connector_spec(vllm_config, KVConnectorRole.SCHEDULER, one_group).namespace.layout
+
+
+def test_a_group_it_cannot_serve_is_refused_at_start_by_its_kind(tmp_path):
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvprefetch.vllm.compat import KVConnectorRole
+    from kvprefetch.vllm.spec import connector_spec
+
+    vllm_config, _ = vllm_configs(tmp_path, "unused", chunk_tokens=32)
+    mamba = SimpleNamespace(kv_cache_spec=MambaSpec(block_size=16, shapes=((4,),), dtypes=(torch.float32,)),
+                            layer_names=["l.3.mixer"])  # fmt: skip
+    with pytest.raises(NotImplementedError, match="group 2 of kind 'mamba'"):
+        connector_spec(vllm_config, KVConnectorRole.SCHEDULER, hybrid_cache_config(mamba))
+
+
+def test_mla_at_tp2_is_one_copy_for_every_rank(tmp_path, monkeypatch):
+    """MLA's latent KV is the same on every rank: every rank keys its chunks as rank 0 (one copy on disk, loaded by
+    all); a model whose ranks hold other heads keeps a part per rank."""
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    import kvprefetch.vllm.spec as spec_mod
+    from kvprefetch.vllm.compat import KVConnectorRole
+
+    monkeypatch.setattr(spec_mod, "_tp_rank", lambda: 1)
+    vllm_config, per_head = vllm_configs(tmp_path, "unused", chunk_tokens=32, tp_size=2)
+    latent = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32)
+    mla = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=latent, layer_names=["l.0", "l.1"])],
+                          num_blocks=32)  # fmt: skip
+    sched = spec_mod.connector_spec(vllm_config, KVConnectorRole.SCHEDULER, mla)
+    worker = spec_mod.connector_spec(vllm_config, KVConnectorRole.WORKER, mla)
+    assert sched.replicated and worker.replicated and worker.rank == 1 and worker.namespace.tp_rank == 0
+    assert worker.keyer.keys(list(range(64))) == sched.keyer.keys(list(range(64)))
+    heads = spec_mod.connector_spec(vllm_config, KVConnectorRole.WORKER, per_head)
+    assert not heads.replicated and heads.namespace.tp_rank == 1

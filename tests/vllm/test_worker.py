@@ -71,10 +71,11 @@ def workers():
     """Builds workers over given stores, in vLLM's order (the side, then its KV caches); shuts them down."""
     built: list[WorkerSide] = []
 
-    def make(store: TieredStore, layerwise: bool = True) -> tuple[WorkerSide, list[torch.Tensor]]:
+    def make(store: TieredStore, layerwise: bool = True, layer_groups: list[int] | None = None
+             ) -> tuple[WorkerSide, list[torch.Tensor]]:  # fmt: skip
         layers = {f"model.layers.{i}.attn": torch.randn(NUM_BLOCKS, HEADS, BLOCK, DIM) for i in range(LAYERS)}
         worker = WorkerSide(0, list(layers), NUM_BLOCKS, BLOCK, CHUNK_TOKENS, lambda _chunk_bytes: store,
-                            ConnectorCounters("worker"), layerwise=layerwise)  # fmt: skip
+                            ConnectorCounters("worker"), layerwise=layerwise, layer_groups=layer_groups)  # fmt: skip
         worker.register_kv_caches(layers)
         built.append(worker)
         return worker, list(layers.values())
@@ -257,6 +258,28 @@ def test_an_async_load_of_chunks_gone_everywhere_finishes_with_their_blocks_as_e
     assert worker.get_block_ids_with_load_errors() == {0, 1, 2, 3}  # vLLM recomputes them
 
 
+def test_several_kv_cache_groups_each_layer_its_groups_blocks_and_a_failed_load_is_its_request(stores, workers):
+    """Two KV cache groups (layer 0 in one, layer 1 in the other): a chunk's ids are each group's blocks in turn.
+    A save waits for nothing, but the next step starts only once it has copied its blocks out (vLLM may hand a
+    sliding-window group's blocks on); a failed load is reported as its request (vLLM's ``failed_recving``), never
+    as block ids, which vLLM cannot map back to a group."""
+    store = stores()
+    worker, layers = workers(store, layer_groups=[0, 1])
+    step(worker, KVPrefetchMetadata(saves=[SaveJob(1, "a", [KEYS[:1]], [[0, 1, 8, 9]])], step_tokens=8))
+    worker.on_bind(KVPrefetchMetadata())  # the next step: every save of the last one has copied its blocks out
+    assert worker.saver is not None and not worker.saver._futs
+    assert worker.flush(10)
+    job = LoadJob("r", [KEYS[:1]], [[-1, 3, 10, 11]], is_async=True)
+    worker.on_bind(KVPrefetchMetadata(loads=[job]))
+    assert until(lambda: worker.get_finished(set())[1]) == {"r"}
+    assert same_blocks(layers[:1], [1], layers[:1], [3]) and same_blocks(layers[1:], [8, 9], layers[1:], [10, 11])
+    assert worker.get_block_ids_with_load_errors() == set() and worker.take_failed_loads() == set()
+    gone = LoadJob("g", [KEYS[5:6]], [[4, 5, 12, 13]], is_async=True)  # never saved
+    worker.on_bind(KVPrefetchMetadata(loads=[gone]))
+    assert until(lambda: worker.get_finished(set())[1]) == {"g"}
+    assert worker.take_failed_loads() == {"g"} and worker.get_block_ids_with_load_errors() == set()
+
+
 def test_a_cancelled_async_load_stops_and_reports_finished_with_nothing_to_recompute(stores, workers):
     """The request finished while its load waited for a prefetch that never lands: the worker stops waiting."""
     worker, layers = workers(stores())
@@ -344,3 +367,25 @@ def test_shutdown_does_not_wait_for_a_load_parked_on_a_prefetch_that_will_never_
     threading.Thread(target=lambda: (worker.shutdown(), done.set()), daemon=True).start()
     assert done.wait(10), "shutdown hung on the parked load"
     assert connector_threads() - before == set()
+
+
+def test_a_rank_of_a_replicated_model_loads_the_one_copy_and_saves_nothing(stores, workers):
+    """MLA at TP > 1 (`ConnectorSpec.replicated`): a job has one part, every rank's; rank 1 loads it and leaves the
+    saving to rank 0 (it reports no save done: the scheduler counts rank 0's alone)."""
+    store = stores()
+    saver, layers = workers(store)  # rank 0 writes the copy
+    step(saver, KVPrefetchMetadata(saves=[SaveJob(1, "a", [KEYS[:1]], [[0, 1]])], step_tokens=8))
+    assert saver.flush(10)
+    kv1 = {f"model.layers.{i}.attn": torch.zeros(NUM_BLOCKS, HEADS, BLOCK, DIM) for i in range(LAYERS)}
+    rank1 = WorkerSide(1, list(kv1), NUM_BLOCKS, BLOCK, CHUNK_TOKENS, lambda _chunk_bytes: store,
+                       ConnectorCounters("worker"), replicated=True)  # fmt: skip
+    rank1.register_kv_caches(kv1)
+    try:
+        step(rank1, KVPrefetchMetadata(loads=[LoadJob("r", [KEYS[:1]], [[4, 5]], is_async=False)]))
+        assert same_blocks(layers, [0, 1], list(kv1.values()), [4, 5])
+        step(rank1, KVPrefetchMetadata(saves=[SaveJob(2, "r", [KEYS[1:2]], [[4, 5]])], step_tokens=8))
+        assert rank1.flush(10) and store.lookup(KEYS[1:2]).num_hit_chunks == 0
+        meta = rank1.build_worker_meta()
+        assert meta is not None and not meta.saves_done and meta.ranks[1]["loaded_chunks"] == 1
+    finally:
+        rank1.shutdown()

@@ -144,7 +144,9 @@ TopologyOpt = Annotated[
     ),
 ]
 ModelOpt = Annotated[
-    str | None, typer.Option(help="Model path or name (default: the packaged tiny dummy Llama).")
+    str | None,
+    typer.Option(help="Model path or name (default: the packaged tiny dummy Llama, kvprefetch-tiny); the packaged "
+                 "kvprefetch-tiny-hybrid (sliding window) and kvprefetch-tiny-mla (MLA) by name too."),
 ]
 EngineArgOpt = Annotated[
     list[str] | None,

@@ -18,7 +18,7 @@ from kvprefetch.bench.modes import MODES, StoreSizing, availability
 from kvprefetch.bench.options import BenchOptions, KvAsk
 from kvprefetch.modes import SIMULATED as BENCH_MODES
 from kvprefetch.testbed.protocol import EngineSpec, Placement, ProcessSpec
-from kvprefetch.testbed.server import TINY_MODEL
+from kvprefetch.testbed.server import TINY_MODEL, TINY_MODELS
 from kvprefetch.testbed.topology import Topology, plan_topology
 from kvprefetch.workload.agent import AgentBench, agent_workload
 from kvprefetch.workload.replay import BenchWorkload, chat_workload, default_engine_kv_tokens, trace_workload
@@ -94,25 +94,35 @@ def _model_config(path: str, engine_args: dict[str, Any]) -> dict:
     return {}
 
 
+def kv_bytes_per_token(cfg: dict, dtype_bytes: int) -> int:
+    """A token's KV over every layer: K and V of each KV head, or MLA's one latent vector (``kv_lora_rank`` plus the
+    rotary part, shared by every head). A hybrid's sliding-window layers count in full: a chunk holds every layer."""
+    layers = int(cfg.get("num_hidden_layers", 1))
+    if cfg.get("kv_lora_rank"):
+        return layers * (int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim", 0))) * dtype_bytes
+    heads = int(cfg.get("num_attention_heads", 1))
+    kv_heads = int(cfg.get("num_key_value_heads", heads))
+    head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size", 64)) // heads)
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
 def resolve_model(model: str | None, engine_args: dict[str, Any]) -> ModelInfo:
+    """The engines' model: a path, a hub name, or a packaged tiny model by name (`TINY_MODELS`: kvprefetch-tiny, the
+    sliding-window hybrid kvprefetch-tiny-hybrid, the MLA kvprefetch-tiny-mla)."""
     cuda = cuda_available()
-    path = str(model or PACKAGED_MODEL)
+    path = str(TINY_MODELS.get(model or "", model or PACKAGED_MODEL))
     cfg = _model_config(path, engine_args)
     p = Path(path)
     has_weights = p.is_dir() and (any(p.glob("*.safetensors")) or any(p.glob("*.bin")))
     load_format = engine_args.get("load_format") or ("dummy" if p.is_dir() and not has_weights else None)
     dtype = str(engine_args.get("dtype") or ("auto" if cuda else "float32"))
     eff = dtype if dtype != "auto" else str(cfg.get("torch_dtype") or "bfloat16")
-    layers = int(cfg.get("num_hidden_layers", 1))
-    heads = int(cfg.get("num_attention_heads", 1))
-    kv_heads = int(cfg.get("num_key_value_heads", heads))
-    head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size", 64)) // heads)
     return ModelInfo(
         path=path,
         load_format=load_format,
         config=cfg,
         vocab_size=int(cfg.get("vocab_size", 32000)),
-        bytes_per_token=2 * layers * kv_heads * head_dim * _dtype_bytes(eff),
+        bytes_per_token=kv_bytes_per_token(cfg, _dtype_bytes(eff)),
         dtype=dtype,
         device="cuda" if cuda else "cpu",
     )

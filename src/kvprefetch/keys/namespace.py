@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 # adapter, cache salt, multimodal items, prompt embeddings; `ChunkKeyer.keys`' extras). v1 keyed tokens alone, so a
 # tier written under v1 may hold an adapter's or a tenant's KV under the plain tokens' key: every v1 chunk must read
 # as a miss now, and does, because no v2 key equals a v1 key (the disk tier's LRU evicts them in time).
+# (Issue 62 changed no existing key, so v2 stands: a hybrid model's KV cache groups enter its `layout` tag, which
+# only a model with several groups has, and such a model never ran with its groups before; MLA at TP > 1 keys every
+# rank as rank 0, whose keys, and bytes, are the ones rank 0 always wrote.)
 KEY_SCHEME = b"kvprefetch-ns-v2\0"
 
 

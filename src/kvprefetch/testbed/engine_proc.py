@@ -697,16 +697,19 @@ def op_geometry(child: EngineChild, req: P.Geometry) -> P.GeometryReply:
     if c is None:
         return P.GeometryReply(chunk_bytes=None, tp_size=None, chunk_tokens=None, block_size=None)
     spec = c.spec
-    return P.GeometryReply(chunk_bytes=spec.geo.chunk_bytes * spec.namespace.tp_size, tp_size=spec.namespace.tp_size,
+    parts = 1 if spec.replicated else spec.namespace.tp_size  # (MLA: one copy for every rank)
+    return P.GeometryReply(chunk_bytes=spec.geo.chunk_bytes * parts, tp_size=spec.namespace.tp_size,
                            chunk_tokens=spec.chunk_tokens, block_size=spec.block_size,
-                           chunk_tokens_configured=spec.settings.chunk_tokens)  # fmt: skip
+                           chunk_tokens_configured=spec.settings.chunk_tokens,
+                           kv_cache_groups=[g.kind for g in spec.groups.groups])  # fmt: skip
 
 
 def op_chunk_keys(child: EngineChild, req: P.ChunkKeys) -> P.KeysReply:
     c = _scheduler_connector()
     if c is None:
         raise RuntimeError("chunk_keys needs the kvprefetch connector")
-    return P.KeysReply(keys=[[k.hex() for k in keyer.keys(req.tokens)] for keyer in c.keyer.rank_keyers()])
+    keyers = [c.keyer] if c.spec.replicated else c.keyer.rank_keyers()  # (MLA: one copy for every rank)
+    return P.KeysReply(keys=[[k.hex() for k in keyer.keys(req.tokens)] for keyer in keyers])
 
 
 def op_generate(child: EngineChild, req: P.Generate) -> P.Generated:

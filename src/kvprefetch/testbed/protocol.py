@@ -73,7 +73,8 @@ class _Reply(BaseModel):
 
 
 class KeysReply(_Reply):
-    keys: list[list[str]]  # keys[rank][i]: chunk i's key on each tensor-parallel rank, in hex
+    keys: list[list[str]]  # keys[rank][i]: chunk i's key on each tensor-parallel rank, in hex (MLA: one list, every
+    # rank's)
 
 
 class GeometryReply(_Reply):
@@ -81,11 +82,15 @@ class GeometryReply(_Reply):
     `chunk_tokens` is the effective chunk size (`ConnectorSpec.chunk_tokens`: the configured one as whole KV
     blocks), the one to compute per-chunk figures from; `chunk_tokens_configured` is what the config asked."""
 
-    chunk_bytes: int | None  # a chunk's bytes over every tensor-parallel rank (each rank stores its own part)
+    chunk_bytes: int | None  # a chunk's bytes over every tensor-parallel rank (each rank stores its own part, or
+    # one copy for all of them where every rank holds the same KV: MLA)
     tp_size: int | None
     chunk_tokens: int | None
     block_size: int | None
     chunk_tokens_configured: int | None = None
+    # the kind of each of the engine's KV cache groups, as the connector serves them (one unless vLLM's hybrid KV
+    # cache manager is on and the model mixes kinds of attention)
+    kv_cache_groups: list[str] | None = None
 
 
 class Bandwidth(_Reply):

@@ -30,6 +30,14 @@ from pathlib import Path
 from typing import IO, Any
 
 TINY_MODEL = Path(__file__).parent / "models" / "tiny-llama"
+# The other KV layouts vLLM serves, as small (issue 62): a sliding-window hybrid (Gemma 3 text: three layers with a
+# 96-token window, then one full-attention layer; vLLM's hybrid KV cache manager gives it four KV cache groups) and
+# MLA (DeepSeek V2: one latent KV per token, shared by every head). Dummy weights, like the Llama.
+TINY_MODELS = {
+    "kvprefetch-tiny": TINY_MODEL,
+    "kvprefetch-tiny-hybrid": TINY_MODEL.parent / "tiny-gemma3",
+    "kvprefetch-tiny-mla": TINY_MODEL.parent / "tiny-deepseek-v2",
+}
 # vLLM arguments for the tiny model: random weights, CPU-friendly dtype, no graph capture.
 TINY_MODEL_ARGS = ("--load-format", "dummy", "--dtype", "float32", "--enforce-eager")
 API_SERVER = ("-m", "vllm.entrypoints.openai.api_server")

@@ -19,7 +19,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
     KVConnectorPromMetrics,
@@ -39,14 +41,16 @@ __all__ = [
     "KVConnectorPromMetrics",
     "KVConnectorRole",
     "KVConnectorStats",
+    "KVConnectorTransferResults",
     "KVConnectorWorkerMetadata",
     "PromMetric",
     "PromMetricT",
+    "SupportsHMA",
     "block_ids_of",
     "check_version",
+    "kv_cache_groups",
     "kv_layout_of",
     "num_blocks_of",
-    "single_attention_group",
 ]
 
 
@@ -62,25 +66,24 @@ def check_version() -> None:
         log.warning("kvprefetch: vLLM %s is outside the tested range [%s, %s)", v, lo, hi)
 
 
-def single_attention_group(kv_cache_config: Any) -> tuple[Any, list[str]]:
-    """(spec, layer names) of the model's one KV cache group; hybrid models are not supported yet."""
-    groups = list(kv_cache_config.kv_cache_groups)
-    if len(groups) != 1:
-        raise NotImplementedError(
-            f"KVPrefetchConnector supports models with one KV cache group; this one has {len(groups)}"
-        )
-    group = groups[0]
-    return group.kv_cache_spec, list(group.layer_names)
+def kv_cache_groups(kv_cache_config: Any) -> list[tuple[Any, str, list[str]]]:
+    """(spec, kind, layer names) of each of the model's KV cache groups, in vLLM's order (one group unless vLLM's
+    hybrid KV cache manager is on and the model mixes kinds of attention); the kind as `KVCacheSpecKind` names it."""
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+    return [
+        (g.kv_cache_spec, str(get_kv_cache_spec_kind(g.kv_cache_spec).value), list(g.layer_names))
+        for g in kv_cache_config.kv_cache_groups
+    ]
 
 
 def num_blocks_of(kv_cache_config: Any) -> int:
     return int(kv_cache_config.num_blocks)
 
 
-def block_ids_of(blocks: Any) -> list[int]:
-    """Block ids of group 0 from a KVCacheBlocks (scheduler side)."""
-    ids = blocks.get_block_ids()
-    return list(ids[0]) if ids else []
+def block_ids_of(blocks: Any) -> tuple[list[int], ...]:
+    """Block ids of every group from a KVCacheBlocks (scheduler side), one list per group."""
+    return tuple(list(ids) for ids in blocks.get_block_ids())
 
 
 def kv_layout_of(vllm_config: Any) -> str:

@@ -19,7 +19,14 @@ import uuid
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from kvprefetch.vllm.compat import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, block_ids_of
+from kvprefetch.vllm.compat import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+    block_ids_of,
+)
 from kvprefetch.vllm.events import TierEvents
 from kvprefetch.vllm.identity import Identity
 from kvprefetch.vllm.metadata import KVPrefetchMetadata
@@ -43,8 +50,11 @@ def live_connectors() -> list[KVPrefetchConnector]:
     return list(_INSTANCES)
 
 
-class KVPrefetchConnector(KVConnectorBase_V1):
-    """Tiered KV cache with prefetch on arrival, layer-wise loads, async saves and a load-or-recompute rule."""
+class KVPrefetchConnector(KVConnectorBase_V1, SupportsHMA):
+    """Tiered KV cache with prefetch on arrival, layer-wise loads, async saves and a load-or-recompute rule.
+
+    `SupportsHMA`: vLLM keeps its hybrid KV cache manager on with this connector, so a model with sliding-window
+    layers keeps only their window's KV, and hands the connector every KV cache group's blocks (`groups`)."""
 
     # (Set by the half this process builds: the scheduler's are None in a worker, the worker's in the scheduler.)
     _sched: SchedulerSide | None = None
@@ -73,12 +83,12 @@ class KVPrefetchConnector(KVConnectorBase_V1):
             self._worker = build_worker(spec, self.counters, kv_cache_config)
 
     # ---- helpers --------------------------------------------------------------------------------------------
-    def _block_ids(self, req_id: str) -> list[int]:
+    def _block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        """The request's block ids, one list per KV cache group."""
         mgr = self._kv_cache_manager
         if mgr is None:
-            return []
-        ids = mgr.get_block_ids(req_id)
-        return list(ids[0]) if ids else []
+            return ()
+        return tuple(list(ids) for ids in mgr.get_block_ids(req_id))
 
     # ==== worker side ============================================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -122,6 +132,14 @@ class KVPrefetchConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None, None
         return self._worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished`, plus the async loads that failed as failed requests (`failed_recving`): how a model with
+        several KV cache groups must report them (vLLM cannot map a failed block id back to its group); vLLM then
+        computes the request's prompt itself."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._worker.take_failed_loads() if self._worker is not None else set()
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()), failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
@@ -190,7 +208,7 @@ class KVPrefetchConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._sched is not None
-        ids = block_ids_of(blocks) if num_external_tokens > 0 else []
+        ids = block_ids_of(blocks) if num_external_tokens > 0 else ()
         self._sched.update_state_after_alloc(request, ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
@@ -207,6 +225,13 @@ class KVPrefetchConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
         return self._sched.request_finished(request), None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's call with `SupportsHMA` (every group's blocks): the same as `request_finished`; True holds every
+        group's blocks until the request's saves have copied them out."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     @property
     def is_scheduler(self) -> bool:

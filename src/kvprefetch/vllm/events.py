@@ -217,7 +217,9 @@ class TierEvents:
     store: SchedulerStore
     block_size: int
     blocks_per_chunk: int
-    spec_kind: str = "full_attention"  # the attention group's kind (`KVCacheSpecKind`), as the GPU's events say
+    # (vLLM's index, kind as `KVCacheSpecKind` names it) of every KV cache group: a chunk holds every group's KV,
+    # so each of its stores and removals is one event per group, as vLLM's own events are per group
+    groups: tuple[tuple[int, str], ...] = ((0, "full_attention"),)
     period_s: float = PERIOD_S
     forget_s: float = FORGET_S
     clock: Callable[[], float] = time.monotonic
@@ -270,7 +272,7 @@ class TierEvents:
         now = self.clock()
         for (_, c), tiers in zip(noted, held, strict=True):
             for tier in sorted(tiers - c.announced):
-                stored.append(self._stored_event(c.blocks, TIER_EVENTS[tier]))
+                stored += self._stored_events(c.blocks, TIER_EVENTS[tier])
             for tier in sorted(c.announced - tiers):
                 removed.setdefault(tier, []).extend(c.blocks.hashes)
             if c.announced and not tiers:
@@ -278,7 +280,7 @@ class TierEvents:
             c.announced = tiers
             if tiers:
                 c.seen = now
-        events = stored + [self._removed_event(hashes, TIER_EVENTS[t]) for t, hashes in removed.items()]
+        events = stored + [e for t, hashes in removed.items() for e in self._removed_events(hashes, TIER_EVENTS[t])]
         self._write_catalog([(ck, c) for ck, c in noted if c.announced and not c.cataloged])
         with self._lock:
             for ck, c in noted:
@@ -340,17 +342,17 @@ class TierEvents:
             out.append(frozenset.intersection(*parts) if parts else frozenset())
         return out
 
-    def _stored_event(self, blocks: ChunkBlocks, where: Where) -> Any:
-        return self._stored(
+    def _stored_events(self, blocks: ChunkBlocks, where: Where) -> list[Any]:
+        return [self._stored(
             block_hashes=list(blocks.hashes), parent_block_hash=blocks.parent, token_ids=list(blocks.token_ids),
             block_size=self.block_size, lora_id=None, medium=where.medium, lora_name=blocks.lora_name,
-            extra_keys=list(blocks.extra_keys) if blocks.extra_keys is not None else None, group_idx=0,
-            kv_cache_spec_kind=self.spec_kind, locality=where.locality, ownership=where.ownership,
-        )  # fmt: skip
+            extra_keys=list(blocks.extra_keys) if blocks.extra_keys is not None else None, group_idx=group_idx,
+            kv_cache_spec_kind=kind, locality=where.locality, ownership=where.ownership,
+        ) for group_idx, kind in self.groups]  # fmt: skip
 
-    def _removed_event(self, hashes: list[int | bytes], where: Where) -> Any:
-        return self._removed(block_hashes=hashes, medium=where.medium, group_idx=0, locality=where.locality,
-                             ownership=where.ownership)  # fmt: skip
+    def _removed_events(self, hashes: list[int | bytes], where: Where) -> list[Any]:
+        return [self._removed(block_hashes=hashes, medium=where.medium, group_idx=group_idx, locality=where.locality,
+                              ownership=where.ownership) for group_idx, _ in self.groups]  # fmt: skip
 
     def start(self) -> TierEvents:
         self._thread = threading.Thread(target=self._run, name="kvprefetch-events", daemon=True)

@@ -10,7 +10,9 @@ by one backend are never read by another.
 
 A chunk of ``chunk_tokens`` tokens is ``blocks_per_chunk = chunk_tokens // block_size`` whole blocks, so a
 chunk buffer (``chunk_bytes`` bytes) is laid out ``[layer][block in chunk][page]``: one layer's part of a chunk
-is one contiguous run, which is what lets a load scatter layer by layer while the engine computes.
+is one contiguous run, which is what lets a load scatter layer by layer while the engine computes. A model with
+several KV cache groups (`kvprefetch.vllm.groups`) has a block table per group: a chunk's block ids are then each
+group's ``blocks_per_chunk`` ids in turn, and a layer's pages come from its own group's (``layer_groups``).
 
 **Host KV is copied with numpy, never with torch ops** (invariant: the connector's threads start no OpenMP
 team). The copies run on the connector's loader and saver threads. A torch CPU op on a thread that is not the
@@ -85,11 +87,17 @@ def geometry_from_spec(spec, num_layers: int, chunk_tokens: int) -> ChunkGeometr
 
 
 class PagedKV:
-    """The worker's paged KV: one ``[num_blocks, *page]`` view per layer, in model layer order."""
+    """The worker's paged KV: one ``[num_blocks, *page]`` view per layer, in chunk order; ``layer_groups[i]``: the
+    position of layer i's KV cache group in a chunk's block ids (None: one group)."""
 
-    def __init__(self, layer_tensors: Sequence[torch.Tensor], num_blocks: int, block_size: int):
+    def __init__(self, layer_tensors: Sequence[torch.Tensor], num_blocks: int, block_size: int,
+                 layer_groups: Sequence[int] | None = None):  # fmt: skip
         if not layer_tensors:
             raise ValueError("no KV cache tensors")
+        self.layer_groups = tuple(layer_groups) if layer_groups is not None else (0,) * len(layer_tensors)
+        if len(self.layer_groups) != len(layer_tensors):
+            raise ValueError(f"{len(self.layer_groups)} layer groups for {len(layer_tensors)} layers")
+        self.num_groups = max(self.layer_groups) + 1
         self.layers = [self._per_block(t, num_blocks) for t in layer_tensors]
         first = self.layers[0]
         for t in self.layers[1:]:
@@ -138,15 +146,22 @@ class PagedKV:
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=self.device)
 
+    def _group_ids(self, li: int, chunk_ids: Sequence[int], geo: ChunkGeometry) -> Sequence[int]:
+        """Layer li's blocks among one chunk's ids (its group's ``blocks_per_chunk``)."""
+        g, per = self.layer_groups[li], geo.blocks_per_chunk
+        return chunk_ids[g * per : (g + 1) * per]
+
+    def _check_ids(self, block_ids: Sequence[Sequence[int]], geo: ChunkGeometry) -> None:
+        if any(len(chunk) != self.num_groups * geo.blocks_per_chunk for chunk in block_ids):
+            raise ValueError("every chunk to save needs exactly blocks_per_chunk blocks per KV cache group")
+
     def gather(self, block_ids: Sequence[Sequence[int]], out: torch.Tensor, geo: ChunkGeometry) -> None:
         """Copy the pages of whole chunks (``block_ids[i]`` = the chunk's blocks) into ``out[i]``."""
-        flat = [b for chunk in block_ids for b in chunk]
-        if len(flat) != len(block_ids) * geo.blocks_per_chunk:
-            raise ValueError("every chunk to save needs exactly blocks_per_chunk blocks")
-        idx = self._index(flat)
+        self._check_ids(block_ids, geo)
         view = self.chunk_view(out[: len(block_ids)], geo)
         for li, layer in enumerate(self.layers):
-            pages = layer.index_select(0, idx)
+            ids = [b for chunk in block_ids for b in self._group_ids(li, chunk, geo)]
+            pages = layer.index_select(0, self._index(ids))
             view[:, li].copy_(pages.view(len(block_ids), geo.blocks_per_chunk, *self.page_shape))
 
     def gather_into(self, block_ids: Sequence[Sequence[int]], out: torch.Tensor, geo: ChunkGeometry) -> None:
@@ -155,22 +170,24 @@ class PagedKV:
         if out.device != self.device:
             self.gather(block_ids, out, geo)
             return
-        if any(len(chunk) != geo.blocks_per_chunk for chunk in block_ids):
-            raise ValueError("every chunk to save needs exactly blocks_per_chunk blocks")
+        self._check_ids(block_ids, geo)
+        per = geo.blocks_per_chunk
         if self.host is not None:
             rows = self._host_chunks(host_bytes(out[: len(block_ids)]), geo)
-            idx = np.asarray(block_ids, dtype=np.int64)  # [n, blocks_per_chunk]
+            idx = np.asarray(block_ids, dtype=np.int64)  # [n, groups * blocks_per_chunk]
             for li, layer in enumerate(self.host):
-                rows[:, li] = layer[idx]
+                g = self.layer_groups[li]
+                rows[:, li] = layer[idx[:, g * per : (g + 1) * per]]
             return
         view = self.chunk_view(out[: len(block_ids)], geo)
         for i, chunk in enumerate(block_ids):
-            idx = self._index(chunk)
             for li, layer in enumerate(self.layers):
-                torch.index_select(layer, 0, idx, out=view[i, li])
+                torch.index_select(layer, 0, self._index(self._group_ids(li, chunk, geo)), out=view[i, li])
 
     def scatter_chunk_layer(self, li: int, chunk: torch.Tensor, block_ids: Sequence[int], geo: ChunkGeometry) -> None:
-        """Copy layer ``li`` of one chunk (flat uint8, e.g. a view of the DRAM pool) into its blocks (< 0: skip)."""
+        """Copy layer ``li`` of one chunk (flat uint8, e.g. a view of the DRAM pool) into its blocks (< 0: skip;
+        ``block_ids``: the chunk's ids, every group's)."""
+        block_ids = self._group_ids(li, block_ids, geo)
         lb = geo.layer_bytes
         keep = [j for j, b in enumerate(block_ids) if b >= 0]
         if not keep:
@@ -192,7 +209,7 @@ class PagedKV:
         """Copy layer ``li`` of chunks ``src[i]`` into their blocks; a block id < 0 is skipped (already present)."""
         rows, dst = [], []
         for i, chunk in enumerate(block_ids):
-            for j, b in enumerate(chunk):
+            for j, b in enumerate(self._group_ids(li, chunk, geo)):
                 if b >= 0:
                     rows.append(i * geo.blocks_per_chunk + j)
                     dst.append(b)

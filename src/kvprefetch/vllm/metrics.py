@@ -47,6 +47,8 @@ COUNTERS: dict[str, str] = {
     "save_errors": "Save jobs that failed (the chunks are simply not cached).",
     **{f"saves_skipped_{reason}": f"Whole chunks not saved because {why}."
        for reason, why in SKIP_REASONS.items()},
+    "window_unsaved_chunks": "Chunks not saved because a sliding-window group's blocks a hit ending there needs "
+    "were already freed (their tokens came from vLLM's own prefix cache, which keeps only the window).",
     "leases_granted": "Leases granted (lease on finish, warm-up calls).",
     "leases_used": "Leases ended early because a request that loads all of their chunks arrived.",
     "leases_expired": "Leases that reached their ttl unused.",

@@ -2,7 +2,9 @@
 
 Runs in vLLM's scheduler (engine-core) process, where requests arrive. Every tensor-parallel rank holds its own
 part of a chunk (its KV heads) under keys of its own (`ChunkKeyer.rank_keyers`): the scheduler keys, looks up,
-prefetches and holds every rank's chunks, and a chunk is a hit only if every rank has it.
+prefetches and holds every rank's chunks, and a chunk is a hit only if every rank has it. (MLA's KV is the same on
+every rank: one part, rank 0's, serves them all, ``replicated``.) A chunk holds every KV cache group of a hybrid
+model; which of a group's blocks a load writes and a save takes is `kvprefetch.vllm.groups`'.
 
 The life of a request is a small state machine (`Phase`)::
 
@@ -66,6 +68,7 @@ from kvprefetch.keys import ChunkKeyer
 from kvprefetch.tiers.chunk_format import image_bytes
 from kvprefetch.vllm.admission import SeenSketch, dram_only, save_verdict, save_wish
 from kvprefetch.vllm.costmodel import CostModel, TierMeter
+from kvprefetch.vllm.groups import KVGroups
 from kvprefetch.vllm.identity import UNTIERED_REASONS, Identity, Untiered, request_identity
 from kvprefetch.vllm.leases import Lease, Leases
 from kvprefetch.vllm.metadata import KVPrefetchMetadata, KVPrefetchWorkerMeta, LoadJob, SaveJob
@@ -258,23 +261,29 @@ class SchedulerSide:
         blocks_per_chunk: int,
         chunk_bytes: int,
         counters: ConnectorCounters,
-        get_block_ids: Callable[[str], list[int]] | None = None,
+        get_block_ids: Callable[[str], Sequence[int] | Sequence[Sequence[int]]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         events: TierEvents | None = None,
+        groups: KVGroups | None = None,
+        replicated: bool = False,
     ):
         """``keyer``: any rank's keyer (every rank's is derived from it); ``chunk_bytes``: one rank's part of a
-        chunk (what one key holds); ``events``: the KV events' notes of every chunk keyed (``--kv-events-config``)."""
+        chunk (what one key holds: every group's layers); ``events``: the KV events' notes of every chunk keyed
+        (``--kv-events-config``); ``groups``: the model's KV cache groups (None: one full-attention group), whose
+        block ids ``get_block_ids`` and vLLM's allocations give, one list per group; ``replicated``: every rank holds
+        the same KV (MLA): one part per chunk, under ``keyer``'s (rank 0's) keys, for every rank."""
         self.settings = settings
-        self.keyers = keyer.rank_keyers()
-        self.tp_size = len(self.keyers)
+        self.keyers = [keyer] if replicated else keyer.rank_keyers()
+        self.tp_size = len(self.keyers)  # parts of a chunk (each under keys of its own), and savers reporting each
         self.store = store
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
         self.chunk_tokens = keyer.chunk_tokens
         self.chunk_bytes = chunk_bytes
         self.counters = counters
-        self.rank_counters = RankCounters(self.tp_size)
+        self.rank_counters = RankCounters(keyer.namespace.tp_size)
         self.get_block_ids = get_block_ids
+        self.groups = groups if groups is not None else KVGroups.single((), block_size)
         self.clock = clock
         # The rule weighs a whole chunk: every rank's part comes up through the same disk.
         self.cost = CostModel(
@@ -512,11 +521,23 @@ class SchedulerSide:
                 rule, is_async = _Rule(_in_dram_until(hit, first), weighed=True), False
         else:
             rule, is_async = self._weigh(st, hit, first, async_s=None), False
+        if self.groups.hybrid:
+            rule, is_async = self._between_steps(rule, unparked)
         k = rule.load_chunks
         below = hit.below_dram(first, k)
         in_step = self.settings.load_mode == "auto" and below > 0 and not is_async  # auto chose the step
         return _Plan(first, k, is_async, below, tuple(hit.tier(i) for i in range(k)), hit, first_reach,
                      rule.weighed, rule.skipped_slower, in_step, unparked)  # fmt: skip
+
+    @staticmethod
+    def _between_steps(rule: _Rule, unparked: str | None) -> tuple[_Rule, bool]:
+        """A model with several KV cache groups loads only between steps (asynchronously), DRAM hits too: vLLM
+        takes a failed load of such a model only as a failed request (``failed_recving``, which it recomputes), not
+        as failed blocks inside a step (it cannot map a block id back to its group), so a load inside the step
+        could not fail safely. One the watchdog would not park again (`_unpark_cause`) recomputes instead."""
+        if unparked is not None:
+            return _Rule(0, weighed=True), False
+        return rule, rule.load_chunks > 0
 
     def _unpark_cause(self, st: _Req, hit: _Hit) -> str | None:
         """Why a request the rule would park must not be (None: it may be parked).
@@ -659,7 +680,9 @@ class SchedulerSide:
         if hit.below_dram(0, hit.num_chunks):  # DRAM too small for what is queued: the reads were wasted
             self.counters.inc("prefetch_evicted")
 
-    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Any, block_ids: Sequence[int] | Sequence[Sequence[int]], num_external_tokens: int
+    ) -> None:
         """vLLM admitted the request: its blocks are allocated. Carry out the plan it was answered
         (`get_num_new_matched_tokens`): first what deciding it implies (`_commit`), then its load, which vLLM may
         have declined (``num_external_tokens`` 0: e.g. its own prefix cache covers as much); else it recomputes."""
@@ -682,13 +705,8 @@ class SchedulerSide:
             st.hit_tokens[plan.tiers[c]] = st.hit_tokens.get(plan.tiers[c], 0) + n
         for tier, n in st.hit_tokens.items():
             self.counters.inc(hit_counter(tier), n)
-        per_chunk: list[list[int]] = []
-        for c in range(first, k):
-            ids = []
-            for j in range(self.blocks_per_chunk):
-                b = c * self.blocks_per_chunk + j
-                ids.append(int(block_ids[b]) if b * self.block_size >= start_tok else -1)
-            per_chunk.append(ids)
+        tables, end = self.groups.tables(block_ids), k * self.chunk_tokens
+        per_chunk = [self.groups.load_ids(tables, c, self.blocks_per_chunk, start_tok, end) for c in range(first, k)]
         job = LoadJob(request.request_id, st.chunk_keys(first, k), per_chunk, plan.is_async,
                       on_disk=plan.below_dram)  # fmt: skip
         self.holds.hold(st, st.flat_keys(first, k))
@@ -847,14 +865,19 @@ class SchedulerSide:
             st.saved_chunks = full
             if first >= full or self.get_block_ids is None:
                 continue
-            blocks, per = self.get_block_ids(rid), self.blocks_per_chunk
-            if len(blocks) < full * per:
+            tables, per = self.groups.tables(self.get_block_ids(rid)), self.blocks_per_chunk
+            if any(len(t) < full * per for t in tables):
+                continue
+            chunks = [(c, ids) for c in range(first, full) if (ids := self.groups.save_ids(tables, c, per)) is not None]
+            if len(chunks) < full - first:  # a window's tail already freed (`groups`): a hit there would lack it
+                self.counters.inc("window_unsaved_chunks", full - first - len(chunks))
+            if not chunks:
                 continue
             job = SaveJob(
                 self._next_job,
                 rid,
-                st.chunk_keys(first, full),
-                [[int(b) for b in blocks[c * per : (c + 1) * per]] for c in range(first, full)],
+                [[k[c] for c, _ in chunks] for k in st.keys],
+                [ids for _, ids in chunks],
                 write_back,
             )
             self._next_job += 1
@@ -865,7 +888,7 @@ class SchedulerSide:
             for key in keys:
                 self._saving[key] = until
             meta.saves.append(job)
-            self.counters.inc("saved_chunks", full - first)
+            self.counters.inc("saved_chunks", len(chunks))
 
     def _admit_saves(self, st: _Req, full: int) -> bool:
         """Whether the request's chunks are saved (`admission.save_verdict`: its kv_transfer_params, then

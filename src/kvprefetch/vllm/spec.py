@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvprefetch.keys import ChunkKeyer, KVNamespace
-from kvprefetch.vllm.compat import KVConnectorRole, check_version, num_blocks_of, single_attention_group
+from kvprefetch.vllm.compat import KVConnectorRole, check_version, kv_cache_groups, num_blocks_of
 from kvprefetch.vllm.events import TierEvents
+from kvprefetch.vllm.groups import KVGroups, served_group
 from kvprefetch.vllm.layout import ChunkGeometry, geometry_from_spec
 from kvprefetch.vllm.metrics import ConnectorCounters, Reporter
 from kvprefetch.vllm.scheduler import SchedulerSide
@@ -37,15 +38,22 @@ class ConnectorSpec:
 
     settings: ConnectorSettings
     is_scheduler: bool
-    layer_names: tuple[str, ...]
+    groups: KVGroups  # the model's KV cache groups: a chunk holds every group's layers (`groups`)
     geo: ChunkGeometry  # one rank's part of a chunk
     rank: int  # this process's tensor-parallel rank (the scheduler keys as rank 0 and derives the others)
     namespace: KVNamespace
     keyer: ChunkKeyer
     engine_id: str | None  # vLLM's engine id: names the warm-up API's socket
+    # Every rank holds the same KV (MLA at TP > 1, `KVGroups.replicated`): one copy of a chunk, under rank 0's keys,
+    # serves every rank: each loads it, rank 0 alone saves it.
+    replicated: bool = False
     kv_events: bool = False  # vLLM publishes KV events (--kv-events-config) and the tiers' go with them (`events`)
-    spec_kind: str = "full_attention"  # the attention group's kind, as vLLM's KV events name it
     hash_algo: str = "sha256"  # vLLM's prefix-caching hash function (the KV events' hash space)
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        """Every layer a chunk holds, in its order (group after group)."""
+        return self.groups.layer_names
 
     @property
     def block_size(self) -> int:
@@ -63,26 +71,43 @@ def connector_spec(vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any
     check_parallelism(vllm_config.parallel_config)
     transfer = vllm_config.kv_transfer_config
     settings = parse_extra_config(transfer.kv_connector_extra_config)
-    attention, layer_names = single_attention_group(kv_cache_config)
+    attention, groups = model_groups(kv_cache_config)
     chunk_tokens = whole_blocks(settings.chunk_tokens, attention.block_size, vllm_config.model_config.max_model_len)
-    geo = geometry_from_spec(attention, len(layer_names), chunk_tokens)
+    geo = geometry_from_spec(attention, len(groups.layer_names), chunk_tokens)
     is_scheduler = role == KVConnectorRole.SCHEDULER
     tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
     rank = 0 if is_scheduler or tp_size == 1 else _tp_rank()
-    namespace = namespace_for(vllm_config, attention, len(layer_names), settings, rank)
+    replicated = tp_size > 1 and groups.replicated
+    key_rank = 0 if replicated else rank
+    namespace = namespace_for(vllm_config, attention, len(groups.layer_names), settings, key_rank, groups)
     keyer = ChunkKeyer(namespace, chunk_tokens)
     events = getattr(vllm_config, "kv_events_config", None)
-    return ConnectorSpec(settings, is_scheduler, tuple(layer_names), geo, rank, namespace, keyer,
-                         getattr(transfer, "engine_id", None),
+    return ConnectorSpec(settings, is_scheduler, groups, geo, rank, namespace, keyer,
+                         getattr(transfer, "engine_id", None), replicated,
                          bool(events and events.enable_kv_cache_events and settings.tier_events),
-                         _spec_kind(attention),
                          str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")))  # fmt: skip
 
 
-def _spec_kind(attention: Any) -> str:
-    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+def model_groups(kv_cache_config: Any) -> tuple[Any, KVGroups]:
+    """(the first group's spec, every group) of the model's KV cache; raises, naming what, for a group the
+    connector cannot serve (`groups.served_group`) or groups whose pages differ (a chunk is whole blocks of one
+    size, and every layer of it one page shape: vLLM's hybrid manager makes groups' pages equal)."""
+    raw = kv_cache_groups(kv_cache_config)
+    hybrid = len(raw) > 1
+    served = tuple(served_group(i, kind, spec, names, hybrid) for i, (spec, kind, names) in enumerate(raw))
+    first = raw[0][0]
+    for i, (spec, kind, _names) in enumerate(raw[1:], start=1):
+        if spec.block_size != first.block_size or _page_bytes(spec) != _page_bytes(first):
+            raise NotImplementedError(
+                f"KVPrefetchConnector needs every KV cache group in one block size and page size; group {i} "
+                f"({kind}) has {spec.block_size}-token blocks of {_page_bytes(spec)} B, group 0 "
+                f"{first.block_size}-token blocks of {_page_bytes(first)} B"
+            )
+    return first, KVGroups(served, int(first.block_size))
 
-    return str(get_kv_cache_spec_kind(attention).value)
+
+def _page_bytes(spec: Any) -> int:
+    return int(getattr(spec, "real_page_size_bytes", None) or spec.page_size_bytes)
 
 
 def use_load_failure_policy(kv_transfer_config: Any, settings: ConnectorSettings) -> None:
@@ -103,23 +128,25 @@ class SchedulerHalf(NamedTuple):
 
 
 def build_scheduler(
-    spec: ConnectorSpec, counters: ConnectorCounters, get_block_ids: Callable[[str], list[int]]
+    spec: ConnectorSpec, counters: ConnectorCounters, get_block_ids: Callable[[str], tuple[list[int], ...]]
 ) -> SchedulerHalf:
     settings, geo = spec.settings, spec.geo
     store = open_store(settings, geo.chunk_bytes)
     events = _tier_events(spec, store) if spec.kv_events else None
     side = SchedulerSide(settings, spec.keyer, store, block_size=geo.block_size,
                          blocks_per_chunk=geo.blocks_per_chunk, chunk_bytes=geo.chunk_bytes, counters=counters,
-                         get_block_ids=get_block_ids, events=events)  # fmt: skip
+                         get_block_ids=get_block_ids, events=events, groups=spec.groups,
+                         replicated=spec.replicated)  # fmt: skip
     reporter = Reporter(
         counters, store.stats, interval_s=settings.log_interval_s,
         metrics_dir=settings.metrics_dir, metrics_port=settings.metrics_port, serve=True,
     )  # fmt: skip
     warm_server = start_warm_server(spec.engine_id, side)
     log.info(
-        "kvprefetch: scheduler side up (chunk_tokens %d%s = %d B per rank x %d ranks, prefetch %s, "
+        "kvprefetch: scheduler side up (chunk_tokens %d%s = %d B per rank x %d ranks%s, prefetch %s, "
         "load_mode %s, namespace %s)",
         spec.chunk_tokens, _configured(spec), geo.chunk_bytes, spec.namespace.tp_size,
+        " (one copy: every rank holds the same KV)" if spec.replicated else "",
         "on" if settings.prefetch else "off", settings.load_mode, spec.namespace.short_id,
     )  # fmt: skip
     return SchedulerHalf(side, store, reporter, warm_server, events)
@@ -136,7 +163,7 @@ def _tier_events(spec: ConnectorSpec, store: ConnectorStore) -> TierEvents:
     the disk tier leaves alone)."""
     config = spec.settings.store
     catalog = config.disk.path / ".events" if config.disk_enabled else None
-    return TierEvents(store, spec.block_size, spec.geo.blocks_per_chunk, spec.spec_kind, catalog_dir=catalog,
+    return TierEvents(store, spec.block_size, spec.geo.blocks_per_chunk, spec.groups.kinds(), catalog_dir=catalog,
                       hash_algo=spec.hash_algo).start()  # fmt: skip
 
 
@@ -153,7 +180,8 @@ def build_worker(spec: ConnectorSpec, counters: ConnectorCounters, kv_cache_conf
         return open_store(spec.settings, chunk_bytes)
 
     return WorkerSide(spec.rank, spec.layer_names, num_blocks_of(kv_cache_config), spec.block_size, spec.chunk_tokens,
-                      open_checked, counters, layerwise=spec.settings.layerwise)  # fmt: skip
+                      open_checked, counters, layerwise=spec.settings.layerwise,
+                      layer_groups=spec.groups.layer_groups, replicated=spec.replicated)  # fmt: skip
 
 
 def whole_blocks(chunk_tokens: int, block_size: int, max_model_len: int | None) -> int:
@@ -190,9 +218,13 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def namespace_for(
-    vllm_config: Any, spec: Any, num_layers: int, settings: ConnectorSettings, tp_rank: int = 0
+    vllm_config: Any, spec: Any, num_layers: int, settings: ConnectorSettings, tp_rank: int = 0,
+    groups: KVGroups | None = None,
 ) -> KVNamespace:
-    """Everything that changes a chunk's bytes: model, layer geometry, dtype, TP size and rank, page layout.
+    """Everything that changes a chunk's bytes: model, layer geometry, dtype, TP size and rank, page layout, and
+    for a hybrid model its groups (which layers a chunk holds in which order, which pages are valid: a chunk saved
+    with the hybrid manager on lacks the pages outside a window that an engine with it off reads, so the two never
+    share keys; a one-group model's tag is unchanged, and so are its keys).
     (``spec.num_kv_heads`` is one rank's heads; `KVNamespace.for_rank` gives the other ranks'.)"""
     mc = vllm_config.model_config
     model_id = settings.model_id or f"{mc.model}@{getattr(mc, 'revision', None) or 'main'}"
@@ -200,6 +232,8 @@ def namespace_for(
 
     page_bytes = int(getattr(spec, "real_page_size_bytes", None) or spec.page_size_bytes)
     layout = f"vllm-page:{current_platform.device_type}:bs{spec.block_size}:page{page_bytes}"
+    if groups is not None and groups.hybrid:
+        layout += f":groups={groups.describe()}"
     cache_dtype = vllm_config.cache_config.cache_dtype
     dtype = _dtype_name(spec.dtype) if cache_dtype in (None, "auto") else str(cache_dtype)
     return KVNamespace(

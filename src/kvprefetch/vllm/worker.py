@@ -23,7 +23,12 @@ part of every chunk, under its rank's keys (``job.keys[rank]``).
   waits for a worker's reply, so only a wait there frees its core), and the worker waits a few ms at most for
   an async load to finish, so that the step reports it.
 * A chunk that fails to load is a miss: its blocks go to ``get_block_ids_with_load_errors`` and vLLM
-  recomputes them. Each failure cause is logged once.
+  recomputes them; a model with several KV cache groups (whose loads are all async) reports the request as a
+  failed load instead (``failed_recving``: vLLM cannot map a block id back to its group), and vLLM computes its
+  prompt. Each failure cause is logged once.
+* A model with several KV cache groups has sliding-window groups whose blocks vLLM frees as the request moves
+  past them, and reuses in the next step: a step starts only once the saves of the last one have copied their
+  blocks out (`Saver.wait_all`), so a save never reads a block that another request's forward writes.
 """
 
 from __future__ import annotations
@@ -204,13 +209,24 @@ class _RankPart:
     """What both parts of a worker work on: this rank's paged KV and view of the store, and where they report."""
 
     def __init__(self, rank: int, kv: PagedKV, geo: ChunkGeometry, store: WorkerStore, counters: ConnectorCounters,
-                 telemetry: Telemetry, warn: Callable[[str, str], None]):  # fmt: skip
+                 telemetry: Telemetry, warn: Callable[[str, str], None], replicated: bool = False):  # fmt: skip
         self.rank, self.kv, self.geo, self.store = rank, kv, geo, store
         self.counters, self.telemetry, self.warn = counters, telemetry, warn
+        self.replicated = replicated  # every rank holds the same KV (MLA): the job's one part is every rank's
+
+    @property
+    def key_rank(self) -> int:
+        """Whose part of a job's chunks this rank copies (``job.keys[key_rank]``)."""
+        return 0 if self.replicated else self.rank
+
+    @property
+    def saves(self) -> bool:
+        """Whether this rank saves: each rank its own part, or rank 0 alone the part every rank shares."""
+        return not self.replicated or self.rank == 0
 
     def shares(self) -> tuple:
         """The constructor's arguments: what another part of the same worker shares with this one."""
-        return self.rank, self.kv, self.geo, self.store, self.counters, self.telemetry, self.warn
+        return self.rank, self.kv, self.geo, self.store, self.counters, self.telemetry, self.warn, self.replicated
 
 
 class Loader(_RankPart):
@@ -229,6 +245,8 @@ class Loader(_RankPart):
         self._inflight = 0
         self._done_recv: list[tuple[str, set[int]]] = []
         self._errors: set[int] = set()
+        self.fail_requests = self.kv.num_groups > 1  # report a failed async load as its request (module docstring)
+        self._failed: set[str] = set()
         self._settled: set[str] = set()
         self._cancelled: set[str] = set()
         self._active: dict[str, _AsyncLoad] = {}  # requests with an async load on this worker
@@ -242,7 +260,7 @@ class Loader(_RankPart):
     def sources(self, job: LoadJob, stack: contextlib.ExitStack, stage: torch.Tensor) -> list[torch.Tensor]:
         """Flat uint8 sources for the job's leading loadable chunks: zero-copy pinned views of the DRAM pool
         where the chunks are there (held until ``stack`` exits), the staging buffer for the rest."""
-        keys = job.keys[self.rank]
+        keys = job.keys[self.key_rank]
         n = len(keys)
         views: list = []
         try:
@@ -389,7 +407,7 @@ class Loader(_RankPart):
         job = load.job
         rid = job.req_id
         copy_s = 0.0
-        for i, key in enumerate(job.keys[self.rank]):
+        for i, key in enumerate(job.keys[self.key_rank]):
             t_wait = time.perf_counter()
             while True:
                 with self._lock:
@@ -434,10 +452,19 @@ class Loader(_RankPart):
     def finished_recving(self) -> set[str]:
         with self._lock:
             recv = {rid for rid, _ in self._done_recv}
-            for _, errs in self._done_recv:
-                self._errors |= errs
+            for rid, errs in self._done_recv:
+                if errs and self.fail_requests:
+                    self._failed.add(rid)
+                else:
+                    self._errors |= errs
             self._done_recv = []
         return recv
+
+    def take_failed(self) -> set[str]:
+        """Requests whose async load failed, reported finished already (`fail_requests`)."""
+        with self._lock:
+            failed, self._failed = self._failed, set()
+        return failed
 
     def take_errors(self) -> set[int]:
         with self._lock:
@@ -469,11 +496,18 @@ class Saver(_RankPart):
         self._await: set[str] = set()
 
     def submit(self, meta: KVPrefetchMetadata) -> None:
-        for job in meta.saves:
+        for job in meta.saves if self.saves else ():
             with self._lock:
                 self._by_req.setdefault(job.req_id, set()).add(job.job_id)
                 self._futs[job.job_id] = self._pool.submit(self._save, job)
         self._await.update(meta.await_saves)
+
+    def wait_all(self) -> None:
+        """Until every save submitted so far has copied its blocks out (their blocks may be reused now)."""
+        with self._lock:
+            futs = list(self._futs.values())
+        for f in futs:
+            f.result()
 
     def wait_for(self, rid: str) -> None:
         """Until the request's saves have copied its blocks out (it was preempted: they may be reused)."""
@@ -483,7 +517,7 @@ class Saver(_RankPart):
             f.result()
 
     def _save(self, job: SaveJob) -> None:
-        keys = job.keys[self.rank]
+        keys = job.keys[self.key_rank]
         try:
             stage = self._stage.get(len(keys))
             self.kv.gather_into(job.block_ids, stage, self.geo)
@@ -545,9 +579,15 @@ class WorkerSide:
         open_store: Callable[[int], ConnectorStore],
         counters: ConnectorCounters,
         layerwise: bool = True,
+        layer_groups: Sequence[int] | None = None,
+        replicated: bool = False,
     ):
+        """``layer_names`` in chunk order; ``layer_groups``: each layer's KV cache group position (None: one);
+        ``replicated``: every rank holds the same KV (MLA), stored once under rank 0's keys (`ConnectorSpec`)."""
+        self.replicated = replicated
         self.rank = rank
         self.layer_names = list(layer_names)
+        self.group_of = dict(zip(self.layer_names, layer_groups or [0] * len(self.layer_names), strict=True))
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens
@@ -564,11 +604,13 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = [n for n in self.layer_names if n in kv_caches] or list(kv_caches)
         self.layer_index = {n: i for i, n in enumerate(names)}
-        kv = PagedKV([kv_caches[n] for n in names], self.num_blocks, self.block_size)
+        kv = PagedKV([kv_caches[n] for n in names], self.num_blocks, self.block_size,
+                     [self.group_of.get(n, 0) for n in names])  # fmt: skip
         geo = kv.geometry(self.chunk_tokens)
         pin = kv.device.type == "cuda"
         self.store = self.open_store(geo.chunk_bytes)
-        part = _RankPart(self.rank, kv, geo, self.store, self.counters, self.telemetry, _episode_warner())
+        part = _RankPart(self.rank, kv, geo, self.store, self.counters, self.telemetry, _episode_warner(),
+                         self.replicated)  # fmt: skip
         self.loader = Loader(part, self.layerwise, pin)
         self.saver = Saver(part, pin)
 
@@ -577,14 +619,23 @@ class WorkerSide:
         """Before the forward: start this step's async loads now, so they overlap the forward and can be
         reported finished at the end of this very step (vLLM itself would start them after the forward)."""
         self._t_bind = time.perf_counter()
-        if self.loader is not None and (meta.loads or meta.settled or meta.cancel_loads or meta.release_loads):
+        if self.loader is None:
+            return
+        # (several groups: a save's blocks may be reused by this step's forward, which may run before start_load_kv)
+        if self.loader.kv.num_groups > 1 or meta.loads or meta.settled or meta.cancel_loads or meta.release_loads:
             self.handle_preemptions(meta)  # an async load may write blocks a preempted request's save still reads
             self.loader.start_async(meta)
 
     def handle_preemptions(self, meta: KVPrefetchMetadata) -> None:
-        if self.saver is not None:
-            for rid in meta.preempted:
-                self.saver.wait_for(rid)
+        """Before anything of the step writes blocks: the saves that read blocks vLLM may have handed on have
+        copied them out (a preempted request's; with several KV cache groups every save: the module docstring)."""
+        if self.saver is None:
+            return
+        if self.loader is not None and self.loader.kv.num_groups > 1:
+            self.saver.wait_all()
+            return
+        for rid in meta.preempted:
+            self.saver.wait_for(rid)
 
     def start_load_kv(self, meta: KVPrefetchMetadata) -> None:
         if self.loader is None:
@@ -614,6 +665,9 @@ class WorkerSide:
         recv = self.loader.finished_recving()
         sending = self.saver.finished_sending()
         return (sending or None), (recv or None)
+
+    def take_failed_loads(self) -> set[str]:
+        return self.loader.take_failed() if self.loader is not None else set()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errs = self.loader.take_errors() if self.loader is not None else set()
