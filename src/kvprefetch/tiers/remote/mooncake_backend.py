@@ -13,7 +13,9 @@ that went down) and raises RemoteUnavailable. From then on each call raises it a
 asks the master until it answers: every later call to an unreachable master costs ~4.3 s (its RPC pool's three
 connection attempts a second apart, which no setting shortens), paid by the probe, not by requests. A master
 restarted empty answers again with no objects: misses, and refused writes (-200) until the pool's memory is
-mounted again.
+mounted again. Not bounded by `timeout_s`: a transfer under way when the link goes down (Mooncake's TCP transport
+has no deadline; the call returns when TCP delivers after the link is back, within the store's own 60 s limit,
+and writes into the caller's memory only while the call lasts).
 """
 
 from __future__ import annotations
