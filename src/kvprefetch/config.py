@@ -38,6 +38,7 @@ def _positive_size(value: Any) -> Any:
 
 
 PositiveBytes = Annotated[ByteSize, BeforeValidator(_positive_size), Field(gt=0)]
+NonNegativeBytes = Annotated[ByteSize, Field(ge=0)]
 
 
 class ConfigError(ValueError):
@@ -156,7 +157,10 @@ class MooncakeConfig(_Section):
     metadata_server: str = "http://127.0.0.1:8080/metadata"
     local_hostname: str = "127.0.0.1"
     protocol: Literal["tcp", "rdma"] = "tcp"
-    segment_bytes: PositiveBytes = ByteSize(512 << 20)
+    segment_bytes: NonNegativeBytes = Field(
+        default=ByteSize(512 << 20),
+        description="Memory this node lends the pool; 0: none, a client only (the pool's memory is elsewhere).",
+    )
     buffer_bytes: PositiveBytes = ByteSize(64 << 20)
     connect_timeout_s: float = Field(default=5.0, gt=0)
 

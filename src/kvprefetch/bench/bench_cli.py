@@ -289,7 +289,9 @@ PoolOpt = Annotated[
     ),
 ]
 RemoteBackendOpt = Annotated[
-    RemoteBackend, typer.Option(help="Server of the prefetch-remote mode (-m prefetch-remote): redis or mooncake.")
+    RemoteBackend,
+    typer.Option(help="Server of the prefetch-remote mode (-m prefetch-remote) and of the two-node scenario's pool: "
+                 "redis or mooncake."),
 ]
 
 
@@ -571,8 +573,11 @@ def _two_node(a: BenchArgs) -> TwoNodeOptions:
 
     if (why := available()) is not None:
         raise typer.BadParameter(f"the two-node scenario makes network namespaces: {why}")
-    if a.engine.remote_backend != RemoteBackend.redis:
-        raise typer.BadParameter("the two-node scenario's pool is redis-server for now (--remote-backend redis)")
+    from kvprefetch.bench.modes import remote_available
+
+    backend = a.engine.remote_backend.value
+    if not remote_available(backend):
+        raise typer.BadParameter(f"the two-node scenario's pool is {backend} (--remote-backend): it is not installed")
     t = a.two_node_args
     faults = tuple(f.strip() for f in t.faults.split(",") if f.strip() and f.strip() != "none")
     try:

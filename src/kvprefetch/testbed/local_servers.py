@@ -21,21 +21,21 @@ def free_port(below: int = 65536) -> int:
             return port
 
 
-def wait_port(port: int, timeout: float = 20.0) -> None:
+def wait_port(port: int, timeout: float = 20.0, host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
+            if s.connect_ex((host, port)) == 0:
                 return
         time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout} s")
 
 
-def wait_port_in(netns: str | None, port: int, timeout: float = 20.0) -> None:
+def wait_port_in(netns: str | None, port: int, timeout: float = 20.0, host: str = "127.0.0.1") -> None:
     """wait_port, asked from inside a network namespace (None: this one)."""
     if netns is None:
-        return wait_port(port, timeout)
-    code = f"from kvprefetch.testbed.local_servers import wait_port; wait_port({port}, {timeout})"
+        return wait_port(port, timeout, host)
+    code = f"from kvprefetch.testbed.local_servers import wait_port; wait_port({port}, {timeout}, {host!r})"
     out = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", code], capture_output=True, text=True)
     if out.returncode:
         raise TimeoutError(f"nothing listens on port {port} in network namespace {netns}: {out.stderr[-500:]}")
@@ -101,34 +101,38 @@ class RedisServer:
 
 
 class MooncakeMaster:
-    """mooncake_master with its embedded HTTP metadata server, on loopback."""
+    """mooncake_master with its embedded HTTP metadata server, on loopback, or inside network namespace `netns`
+    bound to `host` there (an address every client can route to: other namespaces reach it at `master`)."""
 
-    def __init__(self, workdir: Path, *extra: str):
+    def __init__(self, workdir: Path, *extra: str, netns: str | None = None, host: str = "127.0.0.1"):
         exe = Path(sys.executable).with_name("mooncake_master")
         if not exe.exists():
             raise RuntimeError("mooncake_master is not installed (pip install mooncake-transfer-engine-non-cuda)")
-        self.exe, self.workdir, self.extra = exe, workdir, extra
+        self.exe, self.workdir, self.extra, self.netns, self.host = exe, workdir, extra, netns, host
         self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.proc: subprocess.Popen | None = None
         self.start()
 
     @property
     def master(self) -> str:
-        return f"127.0.0.1:{self.rpc_port}"
+        return f"{self.host}:{self.rpc_port}"
 
     @property
     def metadata_server(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/metadata"
+        return f"http://{self.host}:{self.http_port}/metadata"
 
     def start(self) -> None:
+        h = self.host
         cmd = [str(self.exe), f"-rpc_port={self.rpc_port}", "-enable_http_metadata_server=true",
-               f"-http_metadata_server_port={self.http_port}", "-http_metadata_server_host=127.0.0.1",
-               f"-metrics_port={self.metrics_port}", "-rpc_address=127.0.0.1", *self.extra]  # fmt: skip
-        env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1")
+               f"-http_metadata_server_port={self.http_port}", f"-http_metadata_server_host={h}",
+               f"-metrics_port={self.metrics_port}", f"-rpc_address={h}", *self.extra]  # fmt: skip
+        if self.netns is not None:
+            cmd = ["ip", "netns", "exec", self.netns, *cmd]
+        env = dict(os.environ, MC_TCP_BIND_ADDRESS=h)
         log = open(self.workdir / "mooncake_master.log", "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
-        wait_port(self.rpc_port)
-        wait_port(self.http_port)
+        for port in (self.rpc_port, self.http_port):
+            wait_port_in(self.netns, port, host=h)
 
     def kill(self) -> None:
         if self.proc is not None:

@@ -22,7 +22,7 @@ from kvprefetch.tiers.pool_watch import pid_alive
 PREFIX = "kvp"
 _NS = re.compile(rf"^{PREFIX}([0-9a-f]+)-[a-z0-9-]+$")
 CLONE_NEWNET = 0x40000000
-SUBNET = "10.231"  # links are 10.231.<n>.1 <-> 10.231.<n>.2 (/30), inside the namespaces only
+SUBNET = "10.231"  # links are 10.231.<n>.1 <-> 10.231.<n>.2 (/30), inside the namespaces only; 10.231.0.x: `address`
 
 
 class NetnsUnavailable(RuntimeError):
@@ -86,6 +86,7 @@ class Fabric:
     tag: str = field(default_factory=lambda: f"{os.getpid():x}")
     made: list[str] = field(default_factory=list)
     links: list[Link] = field(default_factory=list)
+    routes: list[tuple[str, str, str]] = field(default_factory=list)  # (ns, destination, gateway)
 
     def __enter__(self) -> Fabric:
         why = available()
@@ -136,9 +137,25 @@ class Fabric:
                       "burst", str(burst_bytes(rate_bps)), "latency", "200ms"))  # fmt: skip
 
     def set_up(self, link: Link, up: bool) -> None:
-        """Take a link down (both ends: nothing crosses it) or bring it back up."""
+        """Take a link down (both ends: nothing crosses it) or bring it back up, with the routes through it (the
+        kernel drops a route whose gateway's link goes down, and does not bring it back)."""
         for end in (link.a, link.b):
             _run(*_in(end.ns, "ip", "link", "set", end.dev, "up" if up else "down"))
+        if up:
+            for ns, dst, via in self.routes:
+                if (ns, via) in ((link.a.ns, link.b.ip), (link.b.ns, link.a.ip)):
+                    _run(*_in(ns, "ip", "route", "replace", f"{dst}/32", "via", via))
+
+    def address(self, ns: str, ip: str) -> None:
+        """Give namespace ns an address of its own on its loopback (a service address that other namespaces reach
+        through `route`, whichever link they come over)."""
+        _run(*_in(ns, "ip", "addr", "add", f"{ip}/32", "dev", "lo"))
+
+    def route(self, ns: str, dst: str, via: str) -> None:
+        """Namespace ns reaches address dst through gateway `via` (the far end of one of its links); kept across
+        the link going down and up (`set_up`)."""
+        _run(*_in(ns, "ip", "route", "replace", f"{dst}/32", "via", via))
+        self.routes.append((ns, dst, via))
 
     @staticmethod
     def exec_argv(ns: str, argv: list[str]) -> list[str]:
@@ -158,6 +175,7 @@ class Fabric:
                 _run("ip", "netns", "del", name)
         self.made.clear()
         self.links.clear()
+        self.routes.clear()
 
 
 def join(ns: str) -> None:

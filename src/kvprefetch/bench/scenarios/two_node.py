@@ -3,9 +3,10 @@
 The run after phase 1 (`kvprefetch.bench.populate`, which measured this engine's prefill speed and wrote the
 prelude to a disk tier), in place of the single scenario:
 
-1. **cluster** (`kvprefetch.testbed.cluster`): a pool namespace with the pool's server, node-a and node-b each
-   joined to it by a link shaped to `two_node.link_rate` (derived from the prefill speed), the link's rate
-   measured once from node-a.
+1. **cluster** (`kvprefetch.testbed.cluster`): a pool namespace with the pool's server (`--remote-backend`:
+   redis-server, or a Mooncake Store's master and the process holding its memory), node-a and node-b each joined
+   to it by a link shaped to `two_node.link_rate` (derived from the prefill speed), the link's rate measured once
+   from node-a.
 2. **nodes**: per mode, an engine in each node's namespace, each on its own core (launched two modes at a time:
    ten engines starting at once outgrow a 24 GiB machine).
 3. **rounds**: every mode's levels, the modes interleaved within a round. Before each pool mode's cells the pool
@@ -23,6 +24,7 @@ nodes (`_figures`).
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -56,6 +58,15 @@ FAULT_RECORD_KEYS = ("pass", "engine", "sid", "turn", "arrival", "first_token", 
 LAUNCH_MODES = 2  # modes whose engines start at once
 POOL_DB = 1  # the pool modes' Redis database (emptied and seeded again before each mode's cells in each round)
 POOL_TIMEOUT_S = 1.0  # the pool's `timeout_s`: a call to a link that went down fails after this long
+MOONCAKE_MIN_SEGMENT = 1 << 30  # the Mooncake pool's memory, at least
+
+
+def mooncake_segment_bytes(pop: Populated, plan: BenchPlan) -> int:
+    """The Mooncake pool's memory: the prelude and every chunk the rounds and the fault passes may write, twice
+    over (a Mooncake pool evicts when full, Redis here grows), at least `MOONCAKE_MIN_SEGMENT`."""
+    w = plan.workload
+    chunks = pop.info["chunks_on_disk"] + 64 * (1 + sum(map(w.requests, w.levels)))
+    return max(MOONCAKE_MIN_SEGMENT, int(2 * chunks * (pop.chunk_bytes + 8192)))
 
 
 @dataclass
@@ -73,6 +84,30 @@ class FaultEvent:
     kind: str
     down_s: float  # seconds since the fault run started
     up_s: float | None = None
+
+
+MOONCAKE_PROBE = """
+import json, sys, time
+from kvprefetch.config import RemoteConfig
+from kvprefetch.tiers.disk import aligned_buffer
+from kvprefetch.tiers.remote import open_backend
+b = open_backend(RemoteConfig(**json.loads({section!r})))
+n, mib = {n}, 1 << 20
+region = aligned_buffer(8 * mib)
+b.register_memory(region)
+views = [region[i * mib : (i + 1) * mib] for i in range(8)]
+names = [f"probe{{i}}" for i in range(n)]
+for i in range(0, n, 8):
+    b.write_from(names[i : i + 8], views)
+t, c = time.perf_counter(), time.process_time()
+for i in range(0, n, 8):
+    assert min(b.read_into(names[i : i + 8], views)) == mib
+print(n * mib / (time.perf_counter() - t), (time.process_time() - c) / n)
+b.delete(names)
+b.close()
+"""
+"""node-a's probe of a Mooncake pool (`TwoNodeRun._probe_link`): 1 MiB values put from registered memory, then
+read back into it eight per call, timed; its last line is bytes/s and CPU seconds per MiB."""
 
 
 class TwoNode(Scenario):
@@ -106,6 +141,7 @@ class TwoNodeRun:
         self.reference: dict[tuple[int, int], dict[tuple[str, int], list[int]]] = {}  # recompute's tokens
         self.wrong: dict[str, int] = {}  # per mode: requests whose tokens differ from recompute's
         self.faults: dict[str, Any] = {}
+        self.backend = self.plan.opts.store.remote_backend
         self.cluster: TwoNodeCluster | None = None
         self.seeds: list[dict] = []  # each reseed of a pool mode's database, and how long it took
 
@@ -114,12 +150,13 @@ class TwoNodeRun:
         plan, files = self.plan, self.lab.files
         self.lab.notes.append("two-node: " + self.rate.sentence())
         section: dict[str, Any] = {
-            "link": asdict(self.rate) | {"sentence": self.rate.sentence()}, "backend": "redis",
+            "link": asdict(self.rate) | {"sentence": self.rate.sentence()}, "backend": self.backend,
             "node_disk": self.opts.node_disk, "faults_asked": list(self.opts.faults),
             "pool_retry_after_s": POOL_RETRY_S, "pool_timeout_s": POOL_TIMEOUT_S,
             "nodes": {NODES[e]: node_placement(e, 2).model_dump() for e in range(2)}}  # fmt: skip
         opened: dict[str, _ModeNodes] = {}
-        with TwoNodeCluster(files.work / "pool", self.rate.bits_per_s) as cluster:
+        segment = mooncake_segment_bytes(self.pop, plan) if self.backend == "mooncake" else 0
+        with TwoNodeCluster(files.work / "pool", self.rate.bits_per_s, self.backend, segment_bytes=segment) as cluster:
             self.cluster = cluster
             if cluster.swept:
                 self.lab.notes.append(f"two-node: removed what a run killed outright left: {', '.join(cluster.swept)}")
@@ -144,34 +181,40 @@ class TwoNodeRun:
 
     # -- the link -------------------------------------------------------------------------------------------------
     def _probe_link(self, mib: int = 64) -> dict:
-        """How node-a reads the pool: `mib` MiB of 1 MiB values written, then read back in pipelines of 8 from inside
-        its namespace on its core (redis-py), then deleted: the rate (bytes/s) and the CPU the reader spent per MiB
-        (on a one-core node that CPU is the model's: what prefetching cannot overlap)."""
+        """How node-a reads the pool: `mib` MiB of 1 MiB values written, then read back eight per call from inside
+        its namespace on its core, then deleted (Redis: redis-py pipelines; Mooncake: kvprefetch's backend, batches
+        into registered memory): the rate (bytes/s) and the CPU the reader spent per MiB (on a one-core node that CPU
+        is the model's: what prefetching cannot overlap)."""
         c = self.cluster
         assert c is not None and c.server is not None
-        url = c.server.url_at(c.reach[0].pool_ip)
-        code = (
-            "import redis,time\n"
-            f"r=redis.Redis.from_url('{url}', db=15); v=b'x'*(1<<20); n={mib}\n"
-            "for i in range(n): r.set(f'probe{i}', v)\n"
-            "t=time.perf_counter(); c=time.process_time()\n"
-            "for i in range(0,n,8):\n"
-            "    p=r.pipeline(); [p.get(f'probe{j}') for j in range(i,min(n,i+8))]; p.execute()\n"
-            "print(n*(1<<20)/(time.perf_counter()-t), (time.process_time()-c)/n); r.flushdb()\n"
-        )
+        if self.backend == "redis":
+            url = c.server.url_at(c.reach[0].pool_ip)
+            code = (
+                "import redis,time\n"
+                f"r=redis.Redis.from_url('{url}', db=15); v=b'x'*(1<<20); n={mib}\n"
+                "for i in range(n): r.set(f'probe{i}', v)\n"
+                "t=time.perf_counter(); c=time.process_time()\n"
+                "for i in range(0,n,8):\n"
+                "    p=r.pipeline(); [p.get(f'probe{j}') for j in range(i,min(n,i+8))]; p.execute()\n"
+                "print(n*(1<<20)/(time.perf_counter()-t), (time.process_time()-c)/n); r.flushdb()\n"
+            )
+            reader = "redis-py, pipelines of 8"
+        else:
+            code = MOONCAKE_PROBE.format(section=json.dumps(c.remote_section(0, "probe:", 1.0, 30.0)), n=mib)
+            reader = "kvprefetch's Mooncake backend, 8 per call"
         cpus = ",".join(map(str, node_placement(0, 2).host_cpus))
         argv = c.fabric.exec_argv(c.node_ns(0), ["taskset", "-c", cpus, sys.executable, "-c", code])
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=180)
         if out.returncode:
             self.lab.notes.append(f"two-node: the link probe failed: {out.stderr.strip()[-500:]}")
             return {}
         bps, cpu_per_mib = (float(x) for x in out.stdout.split()[-2:])
         link_per_mib = (1 << 20) / self.rate.bytes_per_s
         self.lab.notes.append(
-            f"two-node: node-a read the pool at {bps / 1e6:,.0f} MB/s over its link (shaped to "
+            f"two-node: node-a read the pool ({self.backend}) at {bps / 1e6:,.0f} MB/s over its link (shaped to "
             f"{self.rate.bytes_per_s / 1e6:,.0f} MB/s), spending {cpu_per_mib * 1e3:.2f} ms of its core per MiB "
             f"received ({100 * cpu_per_mib / link_per_mib:.0f}% of the link's {link_per_mib * 1e3:.2f} ms per MiB)")
-        return {"measured_read_bps": bps, "reader_cpu_s_per_mib": cpu_per_mib}
+        return {"measured_read_bps": bps, "reader_cpu_s_per_mib": cpu_per_mib, "reader": reader}
 
     # -- the nodes ------------------------------------------------------------------------------------------------
     def _sizing(self, mode: str, node: int) -> StoreSizing:
@@ -229,10 +272,8 @@ class TwoNodeRun:
     # -- the pool's databases ---------------------------------------------------------------------------------------
     def _reseed(self, nodes: _ModeNodes) -> None:
         """A pool mode's database emptied, then the prelude's chunks written into it from node-a (over its link)."""
-        c = self.cluster
-        assert c is not None and c.server is not None
-        argv = ["redis-cli", "-p", str(c.server.port), "-n", str(POOL_DB), "FLUSHDB"]
-        subprocess.run(c.fabric.exec_argv(c.pool_ns, argv), check=True, capture_output=True, timeout=60)
+        assert self.cluster is not None
+        self.cluster.empty_pool(POOL_DB)
         nodes.engines[0].call(P.CoolDram())  # a chunk still in its DRAM would not be written
         t = time.perf_counter()
         seed_remote(self.plan, self.lab.files, nodes.mode, nodes.engines[0], self.lab.progress.update)
@@ -332,7 +373,7 @@ class TwoNodeRun:
             injector.join()
             assert self.cluster is not None
             self.cluster.set_links(True)
-            if self.cluster.server is not None and self.cluster.server.proc is None:
+            if self.cluster.pool_down():
                 self.cluster.restart_pool()
         ref = self.reference.get((c, 0), {})
         out = [{k: r.get(k) for k in FAULT_RECORD_KEYS} | {

@@ -36,7 +36,7 @@ def open_backend(cfg: RemoteConfig) -> RemoteBackend:
 
     m = cfg.mooncake
     return MooncakeBackend(m.master, m.metadata_server, m.local_hostname, m.protocol, int(m.segment_bytes),
-                           int(m.buffer_bytes), m.connect_timeout_s)  # fmt: skip
+                           int(m.buffer_bytes), m.connect_timeout_s, cfg.timeout_s)  # fmt: skip
 
 
 class RemoteTier:
