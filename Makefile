@@ -3,7 +3,7 @@ VENV  := .venv
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup test test-fast bench lint soak soak-serve
+.PHONY: setup test test-long test-fast bench lint soak soak-serve
 
 setup: $(STAMP)
 
@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml scripts/setup.sh
 test: setup
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest --durations=15
+
+test-long: setup
+	$(BIN)/python -m pytest -m long --durations=10
 
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slow"

@@ -1,4 +1,4 @@
-"""`kvprefetch bench --scenario cluster-serve`, CI's short form, as a user runs it: two `kvprefetch serve` nodes (real
+"""`kvprefetch bench --scenario cluster-serve`, short form (`make test-long`), as a user runs it: two `kvprefetch serve` nodes (real
 vLLM OpenAI servers with the connector), each in a network namespace of its own over a tbf-shaped link to a real
 redis-server pool, a real vllm-router in front; one mode pair (round-robin and kv-tiers, on the same nodes), one
 level, one round. Then nothing of it is left on the machine."""
@@ -17,7 +17,7 @@ from kvprefetch.testbed import netns
 
 pytest.importorskip("vllm")
 
-pytestmark = [pytest.mark.slow, pytest.mark.engine,
+pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.long,
               pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))]  # fmt: skip
 
 

@@ -17,7 +17,7 @@ from kvprefetch.workload.replay import IN_RUN
 
 pytest.importorskip("vllm")
 
-pytestmark = [pytest.mark.slow, pytest.mark.engine]
+pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.long]
 
 TOKEN_BYTES = 4096  # the packaged tiny Llama's KV per token (fp32)
 

@@ -1,4 +1,4 @@
-"""`kvprefetch bench --scenario two-node`, short form, as a user runs it: two real vLLM CPU engines per mode, each
+"""`kvprefetch bench --scenario two-node`, short form (`make test-long`), as a user runs it: two real vLLM CPU engines per mode, each
 in a network namespace of its own, reading a real redis-server in a pool namespace over tbf-shaped veth links; one
 level, one round, one fault (the links down for 10 s). Then nothing of it is left on the machine."""
 
@@ -16,7 +16,7 @@ from kvprefetch.testbed import netns
 
 pytest.importorskip("vllm")
 
-pytestmark = [pytest.mark.slow, pytest.mark.engine,
+pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.long,
               pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))]  # fmt: skip
 
 

@@ -53,7 +53,7 @@ def test_two_engines_on_one_node_share_one_cache(engines, model_dir, logs, tmp_p
         second.close()
 
 
-@pytest.fixture(params=["redis", "mooncake"])
+@pytest.fixture(params=["redis", pytest.param("mooncake", marks=pytest.mark.long)])  # (tests/remote: Mooncake's own)
 def remote_server(request, tmp_path):
     server = RedisServer(tmp_path) if request.param == "redis" else MooncakeMaster(tmp_path)
     yield request.param, server
