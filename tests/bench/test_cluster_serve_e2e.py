@@ -1,7 +1,7 @@
-"""`kvprefetch bench --scenario cluster-serve`, short form (`make test-long`), as a user runs it: two `kvprefetch serve` nodes (real
-vLLM OpenAI servers with the connector), each in a network namespace of its own over a tbf-shaped link to a real
-redis-server pool, a real vllm-router in front; one mode pair (round-robin and kv-tiers, on the same nodes), one
-level, one round. Then nothing of it is left on the machine."""
+"""`kvprefetch bench --scenario cluster-serve`, short form (`make test-long`), as a user runs it: two `kvprefetch serve`
+nodes (real vLLM OpenAI servers with the connector), each in a network namespace of its own over a tbf-shaped link to
+a real redis-server pool, a real vllm-router in front; one mode pair (round-robin and kv-tiers, on the same nodes),
+one level, one round. Then nothing of it is left on the machine."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""`kvprefetch bench --scenario two-node`, short form (`make test-long`), as a user runs it: two real vLLM CPU engines per mode, each
-in a network namespace of its own, reading a real redis-server in a pool namespace over tbf-shaped veth links; one
-level, one round, one fault (the links down for 10 s). Then nothing of it is left on the machine."""
+"""`kvprefetch bench --scenario two-node`, short form (`make test-long`), as a user runs it: two real vLLM CPU engines
+per mode, each in a network namespace of its own, reading a real redis-server in a pool namespace over tbf-shaped
+veth links; one level, one round, one fault (the links down for 10 s). Then nothing of it is left on the machine."""
 
 from __future__ import annotations
 
