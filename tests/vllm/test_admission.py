@@ -81,7 +81,7 @@ def test_the_verdict_puts_the_request_first_then_the_policy_and_any_sign_of_reus
 
 
 # ---- the scheduler side applying it ------------------------------------------------------------------------------
-def run(side, blocks, tokens, **params):
+def jobs(side, blocks, tokens, **params):
     """A request arrives, is reached and computes its whole prompt in one step: the step's save jobs."""
     r = vllm_request(tokens, kv_transfer_params=params or None)
     side.on_new_request(r)
@@ -93,7 +93,12 @@ def run(side, blocks, tokens, **params):
                          total_num_scheduled_tokens=len(tokens))  # fmt: skip
     meta = side.build_connector_meta(so)
     side.request_finished(r)
-    return [k for job in meta.saves for k in job.keys[0]]
+    return meta.saves
+
+
+def run(side, blocks, tokens, **params):
+    """As `jobs`, but the keys those jobs save (rank 0's)."""
+    return [k for job in jobs(side, blocks, tokens, **params) for k in job.keys[0]]
 
 
 def seen_side(**extra):
@@ -195,21 +200,6 @@ def test_seen_saves_a_prompt_whose_leading_chunk_is_stored_even_when_it_recomput
 
 
 # ---- probation: a prefix seen once goes into DRAM only ---------------------------------------------------------------
-def jobs(side, blocks, tokens, **params):
-    """As `run`, but the save jobs themselves."""
-    r = vllm_request(tokens, kv_transfer_params=params or None)
-    side.on_new_request(r)
-    side.get_num_new_matched_tokens(r, 0)
-    blocks[r.request_id] = list(range(10, 10 + len(tokens) // 128 + 1))
-    nr = SimpleNamespace(req_id=r.request_id, num_computed_tokens=0)
-    so = SimpleNamespace(scheduled_new_reqs=[nr], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
-                         num_scheduled_tokens={r.request_id: len(tokens)},
-                         total_num_scheduled_tokens=len(tokens))  # fmt: skip
-    meta = side.build_connector_meta(so)
-    side.request_finished(r)
-    return meta.saves
-
-
 def test_probation_puts_a_prefix_seen_once_into_dram_only_and_writes_it_back_from_its_second_sighting():
     side, _, _, blocks = make_scheduler(save_policy="probation")
     first = jobs(side, blocks, list(range(600)))
